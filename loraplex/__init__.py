@@ -1,0 +1,6 @@
+"""loraplex: one frozen base model, thousands of LoRA adapters, continuous batching."""
+
+from loraplex.engine.llm import LLM
+from loraplex.engine.request import RequestOutput, SamplingParams
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams"]

@@ -1,0 +1,218 @@
+"""The continuous-batching engine: one frozen base model, many adapters, one step at a time.
+
+`step()` is schedule, execute, update (nano-vllm's shape). Not thread-safe: one thread drives it
+(`LLM` in the caller's thread, `AsyncLLM` in its own).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from loraplex.adapters.manager import AdapterManager
+from loraplex.engine.block_manager import BlockManager, cdiv
+from loraplex.engine.config import EngineConfig, ModelConfig
+from loraplex.engine.detokenizer import IncrementalDetokenizer
+from loraplex.engine.loader import DUMMY_CONFIGS, iter_safetensors, load_config, resolve_model
+from loraplex.engine.model import LlamaModel
+from loraplex.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
+from loraplex.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
+from loraplex.engine.scheduler import Scheduler, SchedulerOutput
+
+
+def pick_device(device: str | torch.device) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX), where bf16 GEMMs beat fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """"auto": bf16 on CUDA and on CPUs with fast bf16 matmul, fp32 otherwise."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_fast_bf16() else torch.float32
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto or one of {sorted(names)}")
+    return names[dtype]
+
+
+def default_kv_cache_memory(device: torch.device, weight_bytes: int) -> int:
+    """Bytes for the KV cache: 90% of free GPU memory after the weights (vLLM's default), 1 GiB on CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(int(free * 0.9) - weight_bytes // 8, 256 << 20)
+    return 1 << 30
+
+
+class LLMEngine:
+    """Requests in, token deltas out. See `loraplex.LLM` for the arguments."""
+
+    def __init__(self, model: str = "smollm2-135m-instruct", *, dtype: str | torch.dtype = "auto",
+                 device: str | torch.device = "auto", load_format: str = "auto", **engine_kwargs):
+        self.device = pick_device(device)
+        self.dtype = pick_dtype(dtype, self.device)
+        self.config = EngineConfig(**engine_kwargs)
+        if load_format == "dummy":
+            hf_cfg = DUMMY_CONFIGS[model] if model in DUMMY_CONFIGS else load_config(Path(model))
+            path = None
+        elif load_format == "auto":
+            path = resolve_model(model)
+            hf_cfg = load_config(path)
+        else:
+            raise ValueError(f"unknown load_format {load_format!r}; choose auto or dummy")
+        self.model_name = model
+        self.model_config = ModelConfig.from_hf_config(hf_cfg)
+        if self.config.max_model_len:
+            self.model_config.max_model_len = min(self.model_config.max_model_len, self.config.max_model_len)
+        self.tokenizer = _load_tokenizer(path)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+
+        self.model = LlamaModel.build(self.model_config, self.dtype, self.device)
+        if path is None:
+            _init_dummy(self.model, self.config.seed)
+        else:
+            self.model.load_hf_weights(iter_safetensors(path))
+        self.model.eval()
+
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        block_bytes = kv_cache_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        kv_bytes = self.config.kv_cache_memory or default_kv_cache_memory(self.device, weight_bytes)
+        num_blocks = self.config.num_kv_blocks or kv_bytes // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory {kv_bytes} bytes is smaller than one KV block ({block_bytes} bytes)")
+        self.block_manager = BlockManager(num_blocks, self.config.block_size)
+        self.adapters = AdapterManager(self.model_config, self.config, self.dtype, self.device)
+        for layer, buffers in zip(self.model.layers, self.adapters.buffers, strict=True):
+            layer.self_attn.lora = {m: buffers[m] for m in ("q_proj", "k_proj", "v_proj", "o_proj")}
+            layer.mlp.lora = {m: buffers[m] for m in ("gate_proj", "up_proj", "down_proj")}
+        self.scheduler = Scheduler(self.config, self.block_manager, self.adapters)
+        self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.dtype, self.device)
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+
+    # requests -----------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    adapter: str | None = None, request_id: str | None = None,
+                    tenant_id: str | None = None) -> Request:
+        """Queue a request. Raises ValueError for an empty or too long prompt, a duplicate id or an
+        unknown adapter (nothing is queued)."""
+        params = params or SamplingParams()
+        n = len(prompt_token_ids)
+        max_len = self.model_config.max_model_len
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= max_len:
+            raise ValueError(f"the prompt has {n} tokens, but the model's context is {max_len} tokens")
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        need = min(n + params.max_tokens, max_len)
+        if cdiv(need, self.block_manager.block_size) > self.block_manager.num_blocks:
+            raise ValueError(f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) needs {need} tokens of "
+                             f"KV cache, but the whole cache holds {capacity} tokens")
+        if adapter is not None and adapter not in self.adapters:
+            raise ValueError(f"adapter {adapter!r} is not loaded")
+        if any(t < 0 or t >= self.model_config.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
+        kwargs = {"request_id": request_id} if request_id is not None else {}
+        if request_id is not None and request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(list(prompt_token_ids), params, adapter=adapter, tenant_id=tenant_id, **kwargs)
+        self.requests[req.request_id] = req
+        self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self.scheduler.add_request(req)
+        return req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its KV blocks and adapter pin are freed in this call. None if unknown."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return None
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return self._output(req, [])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # the step -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute, update. Returns a delta for every request that produced a token or finished."""
+        sched = self.scheduler.schedule()
+        tokens = self.runner.execute(sched, self.adapters.slot_ranks) if not sched.is_empty else {}
+        self.num_steps += 1
+        return self._update(sched, tokens)
+
+    def _update(self, sched: SchedulerOutput, tokens: dict[str, int]) -> list[RequestOutput]:
+        now = time.monotonic()
+        outputs = []
+        for req in sched.requests:
+            req.num_computed_tokens += sched.num_scheduled_tokens[req.request_id]
+            token = tokens.get(req.request_id)
+            if token is None:
+                continue
+            req.output_token_ids.append(token)
+            self.num_generated_tokens += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.scheduler.finish(req, status)
+            outputs.append(self._output(req, [token]))
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if self.detokenizers[req.request_id].add_token(token) if self.tokenizer is not None else False:
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.model_config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
+        detok = self.detokenizers[req.request_id]
+        delta = detok.delta(req.is_finished)
+        ttft = req.first_token_time - req.arrival_time if req.first_token_time else None
+        latency = req.finish_time - req.arrival_time if req.finish_time else None
+        if req.is_finished:
+            del self.requests[req.request_id], self.detokenizers[req.request_id]
+        return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                             token_ids=list(req.output_token_ids), text=detok.text, finish_reason=req.finish_reason,
+                             adapter=req.adapter, ttft_s=ttft, latency_s=latency, delta_text=delta,
+                             delta_token_ids=new_tokens)
+
+
+def _load_tokenizer(path: Path | None):
+    if path is None or not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _init_dummy(model: LlamaModel, seed: int) -> None:
+    """Small random weights (std 0.02, norms at 1): realistic magnitudes, no NaN, for benchmarks."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            p.data.fill_(1.0)
+        else:
+            p.data.copy_((torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype))

@@ -1,0 +1,199 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) in plain PyTorch over a flattened, ragged batch.
+
+Letters: T tokens in the step (prefill chunks and decodes of many requests, no padding), H hidden,
+I intermediate, D head dim, V vocab, L layers.
+
+q/k/v and gate/up are fused into one matmul each (fewer, larger GEMMs); LoRA is an explicit call after
+each base projection, one adapter per row, through `loraplex.kernels.add_lora`. Numerics follow
+Hugging Face's LlamaForCausalLM (RMSNorm in fp32, RoPE cos/sin in fp32, rotate-half layout), which is
+what the parity tests compare against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraplex.engine.attention import AttentionMetadata, paged_attention
+from loraplex.engine.config import ModelConfig
+from loraplex.kernels import LoRAMeta, LoRAWeights, add_lora
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 (as HF LlamaRMSNorm)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE (Su et al., arXiv:2104.09864) in HF's rotate-half layout; cos/sin cached in fp32."""
+
+    def __init__(self, head_dim: int, max_len: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [max_len, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, D]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions [T]; q [T, nH, D]; k [T, nKV, D] -> rotated (q, k)."""
+        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    """GQA self-attention reading and writing the paged KV cache."""
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.rope = rope
+        self.lora: dict[str, LoRAWeights] = {}
+
+    def forward(self, x, positions, kv_cache, attn: AttentionMetadata, lora: LoRAMeta | None):
+        """x [T, H]; positions [T]; kv_cache (k, v) each [num_slots, nKV, D] -> [T, H]."""
+        cfg = self.cfg
+        qkv = self.qkv_proj(x)  # [T, q + 2 kv]
+        if lora is not None and "q_proj" in self.lora:
+            add_lora(qkv, x, [self.lora["q_proj"], self.lora["k_proj"], self.lora["v_proj"]], lora)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(-1, cfg.num_attention_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_key_value_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_key_value_heads, cfg.head_dim)
+        q, k = self.rope(positions, q, k)
+        o = paged_attention(q, k, v, kv_cache, attn).reshape(-1, cfg.q_size)  # [T, nH * D]
+        out = self.o_proj(o)
+        if lora is not None and "o_proj" in self.lora:
+            add_lora(out, o, [self.lora["o_proj"]], lora)
+        return out
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.lora: dict[str, LoRAWeights] = {}
+
+    def forward(self, x: torch.Tensor, lora: LoRAMeta | None) -> torch.Tensor:  # [T, H] -> [T, H]
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if lora is not None and "gate_proj" in self.lora:
+            add_lora(gate_up, x, [self.lora["gate_proj"], self.lora["up_proj"]], lora)
+        gate, up = gate_up.split(self.inter, dim=-1)
+        h = F.silu(gate) * up  # [T, I]
+        out = self.down_proj(h)
+        if lora is not None and "down_proj" in self.lora:
+            add_lora(out, h, [self.lora["down_proj"]], lora)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, kv_cache, attn, lora):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, attn, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
+
+
+class LlamaModel(nn.Module):
+    """Embedding, L decoder layers, final norm and lm_head (tied to the embedding when configured)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rope = RotaryEmbedding(cfg.head_dim, cfg.max_model_len, cfg.rope_theta)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> LlamaModel:
+        """An uninitialised model on `device` (parameters hold garbage until weights are loaded).
+
+        Built on the meta device first, so no time goes into random initialisation of large shapes.
+        """
+        with torch.device("meta"):
+            model = cls(cfg)
+        model = model.to_empty(device=device).to(dtype)
+        if cfg.tie_word_embeddings:  # to_empty breaks the tie
+            model.lm_head.weight = model.embed_tokens.weight
+        rope = RotaryEmbedding(cfg.head_dim, cfg.max_model_len, cfg.rope_theta).to(device)
+        for layer in model.layers:
+            layer.self_attn.rope = rope
+        return model
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                attn: AttentionMetadata, lora: LoRAMeta | None = None) -> torch.Tensor:
+        """input_ids [T], positions [T] -> final hidden states [T, H]."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, kv_cache, attn, lora)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, H] -> fp32 logits [B, V]."""
+        return self.lm_head(hidden).float()
+
+    def load_hf_weights(self, weights) -> None:
+        """Copy (name, tensor) pairs in Hugging Face naming into the fused parameters.
+
+        Raises ValueError for a missing or unexpected tensor, or a shape that does not fit.
+        """
+        cfg = self.cfg
+        params = dict(self.named_parameters())
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", cfg.q_size),
+                 "v_proj": ("qkv_proj", cfg.q_size + cfg.kv_size),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", cfg.intermediate_size)}
+        filled: dict[str, int] = {}
+        for name, tensor in weights:
+            name = name.removeprefix("model.") if not name.startswith("lm_head") else name
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            target, offset = name, None
+            for hf, (ours, off) in fused.items():
+                if f".{hf}." in name:
+                    target, offset = name.replace(hf, ours), off
+            if target not in params:
+                if "rotary_emb" in name:
+                    continue
+                raise ValueError(f"unexpected weight {name!r} for a {cfg.model_type} model")
+            param = params[target].data
+            dst = param if offset is None else param[offset:offset + tensor.shape[0]]
+            if dst.shape != tensor.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            filled[target] = filled.get(target, 0) + tensor.shape[0]
+        missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]]
+        if missing:
+            raise ValueError(f"missing weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")

@@ -1,0 +1,111 @@
+"""Turns a `SchedulerOutput` into tensors, runs the model and samples.
+
+Letters: T tokens in the step, B requests that sample a token this step, C context length (tokens),
+nKV key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.engine.attention import AttentionMetadata, PrefillChunk
+from loraplex.engine.config import ModelConfig
+from loraplex.engine.model import LlamaModel
+from loraplex.engine.request import Request
+from loraplex.engine.sampler import sample
+from loraplex.engine.scheduler import SchedulerOutput
+from loraplex.kernels import build_lora_meta
+
+
+def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V for one block of `block_size` tokens across all layers."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.kv_size * itemsize
+
+
+class ModelRunner:
+    """Owns the model and the paged KV cache: per layer (k, v), each [num_blocks * block_size, nKV, D]."""
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device):
+        cfg = model.cfg
+        self.model = model
+        self.cfg = cfg
+        self.block_size = block_size
+        self.device = device
+        num_slots = num_blocks * block_size
+        self.kv_caches = [
+            (torch.zeros(num_slots, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device),
+             torch.zeros(num_slots, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device))
+            for _ in range(cfg.num_hidden_layers)
+        ]
+
+    def _slots(self, block_tables: list[list[int]], lengths: list[int]) -> torch.Tensor:
+        """[N, C] slots of positions 0..C-1 of each request (C = max length; pad positions read slot 0)."""
+        c = max(lengths)
+        width = -(-c // self.block_size)
+        bt = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in block_tables], dtype=torch.int64)
+        pos = torch.arange(c)
+        slots = bt[:, pos // self.block_size] * self.block_size + pos % self.block_size  # [N, C]
+        return slots.to(self.device)
+
+    def prepare(self, sched: SchedulerOutput, slot_ranks: list[int]):
+        """Flatten the step: decodes (one new token) first, then prefill chunks.
+
+        Returns (input_ids [T], positions [T], AttentionMetadata, LoRAMeta, sampled requests, their rows).
+        """
+        reqs = sorted(sched.requests, key=lambda r: sched.num_scheduled_tokens[r.request_id] != 1)
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_ids: list[int] = []
+        sample_rows: list[int] = []
+        sampled: list[Request] = []
+        decodes: list[Request] = []
+        prefills: list[PrefillChunk] = []
+        for req in reqs:
+            n = sched.num_scheduled_tokens[req.request_id]
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            row = len(ids)
+            ids += req.all_token_ids[start:end]
+            positions += range(start, end)
+            slot_ids += [req.lora_slot] * n
+            if n == 1:
+                decodes.append(req)
+            elif start == 0:
+                prefills.append(PrefillChunk(row, n))
+            else:
+                ctx = self._slots([req.block_table], [end])[0]  # [C]
+                i = torch.arange(n, device=self.device)[:, None]
+                j = torch.arange(end, device=self.device)[None, :]
+                prefills.append(PrefillChunk(row, n, context_slots=ctx, mask=j <= start + i))
+            if end == req.num_tokens:
+                sampled.append(req)
+                sample_rows.append(len(ids) - 1)
+        slot_mapping = [self._slot(req, p) for req in reqs
+                        for p in range(req.num_computed_tokens,
+                                       req.num_computed_tokens + sched.num_scheduled_tokens[req.request_id])]
+        attn = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=self.device),
+                                 num_decode_tokens=len(decodes), prefills=prefills)
+        if decodes:
+            lengths = [r.num_computed_tokens + 1 for r in decodes]
+            attn.decode_slots = self._slots([r.block_table for r in decodes], lengths)  # [B_d, C]
+            c = attn.decode_slots.shape[1]
+            lens = torch.tensor(lengths, device=self.device)
+            attn.decode_mask = (torch.arange(c, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
+        lora = build_lora_meta(slot_ids, self.device, slot_ranks=slot_ranks) if any(
+            s >= 0 for s in slot_ids) else None
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)
+        return as_tensor(ids), as_tensor(positions), attn, lora, sampled, sample_rows
+
+    def _slot(self, req: Request, position: int) -> int:
+        return req.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def execute(self, sched: SchedulerOutput, slot_ranks: list[int]) -> dict[str, int]:
+        """Run one step; returns the sampled token of each request whose tokens are now all computed."""
+        input_ids, positions, attn, lora, sampled, rows = self.prepare(sched, slot_ranks)
+        hidden = self.model(input_ids, positions, self.kv_caches, attn, lora)
+        if not sampled:
+            return {}
+        logits = self.model.compute_logits(hidden[rows])  # [B, V]
+        tokens = sample(logits, sampled)
+        return {r.request_id: t for r, t in zip(sampled, tokens, strict=True)}

@@ -1,0 +1,148 @@
+"""One request's state, its sampling parameters and what the user gets back."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import random
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each output token (the vLLM / OpenAI knobs).
+
+    temperature 0 is greedy; top_k -1 keeps every token; seed makes sampling reproducible in any batch
+    (the noise of output token n depends only on seed and n). stop strings end the text and are not
+    included; stop_token_ids end generation like EOS (the token is not in the text); ignore_eos keeps
+    generating to max_tokens (benchmarks). Raises ValueError for out-of-range values.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: everything from FINISHED_STOPPED on is finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+_ids = itertools.count()
+
+
+@dataclass
+class Request:
+    """A prompt, its generated tokens and the engine's bookkeeping.
+
+    `num_computed_tokens` counts tokens whose K/V are in the cache; the scheduler brings it up to
+    `num_tokens` (prompt + output), which covers chunked prefill and recompute after preemption alike.
+    Times are `time.monotonic()` seconds.
+    """
+
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    adapter: str | None = None
+    tenant_id: str | None = None
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    lora_slot: int = -1
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.seed is None:
+            self.seed = random.getrandbits(63)
+        else:
+            self.seed = self.sampling_params.seed
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+
+@dataclass
+class RequestOutput:
+    """What `LLM.generate` returns per prompt, and each streamed delta of `AsyncLLM.generate`.
+
+    token_ids/text: everything generated so far (in a delta: only the new part, see `delta_*`).
+    ttft_s: seconds from arrival to the first output token; latency_s: arrival to finish.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    adapter: str | None
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,60 @@
+"""Per-row sampling: greedy, temperature, top-k, top-p, with seeds that hold in any batch.
+
+Letters: B rows (requests that produce a token this step), V vocab.
+
+A row's randomness comes from a generator seeded by (request seed, output index), never from a
+shared stream, so a request with a seed yields the same tokens whatever else is in the batch and after
+preemption and recompute. Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) draws
+token i with probability p_i (the Gumbel-max trick in another form).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.engine.request import Request
+
+_MASK = 2**63 - 1
+
+
+def _row_seed(seed: int, index: int) -> int:
+    return (seed * 6364136223846793005 + (index + 1) * 1442695040888963407) & _MASK
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    """logits: [B, V] fp32, row i for requests[i] -> one token id per row."""
+    tokens = logits.argmax(dim=-1).tolist()
+    rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
+    if not rows:
+        return tokens
+    params = [requests[i].sampling_params for i in rows]
+    x = logits[rows]  # [B', V]
+    temps = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device)
+    x = x / temps[:, None]
+    if any(p.top_k > 0 or p.top_p < 1 for p in params):
+        x = _top_k_top_p(x, params)
+    probs = torch.softmax(x, dim=-1)
+    noise = torch.empty_like(probs)
+    for j, i in enumerate(rows):
+        req = requests[i]
+        gen = torch.Generator(device=x.device).manual_seed(_row_seed(req.seed, req.num_output_tokens))
+        noise[j].exponential_(generator=gen)
+    picked = (probs / noise).argmax(dim=-1).tolist()
+    for j, i in enumerate(rows):
+        tokens[i] = picked[j]
+    return tokens
+
+
+def _top_k_top_p(x: torch.Tensor, params) -> torch.Tensor:
+    """Set to -inf every logit outside each row's top-k and top-p nucleus. x: [B', V]."""
+    vocab = x.shape[-1]
+    sorted_x, order = x.sort(dim=-1, descending=True)  # [B', V]
+    rank = torch.arange(vocab, device=x.device)[None, :]
+    k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=x.device)
+    drop = rank >= k[:, None]
+    top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype, device=x.device)
+    probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
+    # Keep a token while the mass before it is below top_p: the most likely token always stays.
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(-1, order, sorted_x)

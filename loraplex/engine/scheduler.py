@@ -1,0 +1,129 @@
+"""Iteration-level scheduler: which requests run in the next forward pass, and how many tokens each.
+
+There is no prefill or decode mode (vLLM v1): each scheduled request's `num_computed_tokens` catches up
+with its `num_tokens`; a decode is the case of one token left, a long prompt gets chunks of whatever
+token budget is left. Per step:
+1. running requests first, oldest first; if the KV cache cannot hold a request's new tokens, the
+   newest running request is preempted (blocks freed, recomputed later) until it can;
+2. then waiting requests in arrival order, while sequences, tokens, KV blocks and adapter slots last.
+   A request whose adapter cannot get a slot this step is skipped (vLLM's `max_loras` rule) and
+   does not block the requests behind it; one that does not fit in the KV cache stops admission.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from loraplex.adapters.manager import AdapterManager
+from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: requests in row order and the number of tokens each runs."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    """Holds the waiting and running queues; the engine calls `schedule`, then `update_from_output`."""
+
+    def __init__(self, cfg: EngineConfig, block_manager: BlockManager, adapters: AdapterManager):
+        self.cfg = cfg
+        self.block_manager = block_manager
+        self.adapters = adapters
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add_request(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.cfg.max_num_batched_tokens
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.block_manager.allocate(req, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            out.requests.append(req)
+            out.num_scheduled_tokens[req.request_id] = num_new
+            budget -= num_new
+        if out.preempted or (self.cfg.static_batching and self.running):
+            return out
+        skipped: list[Request] = []
+        # Static batching (a benchmark baseline) admits a whole batch at once, even requests whose
+        # prefill must wait for a later step's token budget.
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+            if budget == 0 and not self.cfg.static_batching:
+                break
+            req = self.waiting[0]
+            if req.adapter is not None and not self.adapters.can_acquire(req.adapter):
+                skipped.append(self.waiting.popleft())
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.block_manager.allocate(req, num_new):
+                break
+            self.waiting.popleft()
+            if req.adapter is not None:
+                req.lora_slot = self.adapters.acquire(req.adapter)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            if num_new:
+                out.requests.append(req)
+                out.num_scheduled_tokens[req.request_id] = num_new
+                budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        """Free everything `req` holds; it goes back to the front of the queue and is recomputed."""
+        self.running.remove(req)
+        self.block_manager.free(req)
+        self._release_adapter(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release_adapter(self, req: Request) -> None:
+        if req.lora_slot >= 0:
+            self.adapters.release(req.adapter)
+            req.lora_slot = -1
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Mark `req` finished and free its KV blocks and adapter pin in this same step."""
+        req.status = status
+        req.finish_time = time.monotonic()
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.block_manager.free(req)
+        self._release_adapter(req)

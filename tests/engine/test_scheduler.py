@@ -1,0 +1,178 @@
+"""Scheduler and block manager with a fake model runner: fast, no model."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.request import Request, RequestStatus, SamplingParams
+from loraplex.engine.scheduler import Scheduler
+
+
+class FakeAdapters:
+    """Slot accounting only: `num_slots` slots, LRU of unpinned residents (as AdapterManager)."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.resident: list[str] = []
+        self.refcount: dict[str, int] = {}
+
+    def can_acquire(self, name):
+        return name in self.resident or len(self.resident) < self.num_slots or any(
+            not self.refcount.get(n) for n in self.resident)
+
+    def acquire(self, name):
+        if not self.can_acquire(name):
+            return None
+        if name not in self.resident:
+            if len(self.resident) == self.num_slots:
+                self.resident.remove(next(n for n in self.resident if not self.refcount.get(n)))
+            self.resident.append(name)
+        self.refcount[name] = self.refcount.get(name, 0) + 1
+        return self.resident.index(name)
+
+    def release(self, name):
+        self.refcount[name] -= 1
+
+
+def make(num_blocks=64, block_size=4, slots=4, **cfg):
+    cfg = EngineConfig(block_size=block_size, max_loras=slots, **cfg)
+    bm = BlockManager(num_blocks, block_size)
+    return Scheduler(cfg, bm, FakeAdapters(slots)), bm
+
+
+def req(n_prompt, max_tokens=8, adapter=None):
+    return Request(list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens, temperature=0), adapter=adapter)
+
+
+def run_step(sched: Scheduler):
+    """What the engine does after the model ran: count computed tokens, append a token, finish."""
+    out = sched.schedule()
+    for r in out.requests:
+        r.num_computed_tokens += out.num_scheduled_tokens[r.request_id]
+        if r.num_computed_tokens == r.num_tokens:
+            r.output_token_ids.append(7)
+            if r.num_output_tokens >= r.sampling_params.max_tokens:
+                sched.finish(r, RequestStatus.FINISHED_LENGTH)
+    return out
+
+
+def test_block_manager_slots_and_free():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    r = req(5)
+    assert bm.num_blocks_needed(r, 5) == 2
+    assert bm.allocate(r, 5)
+    assert r.block_table == [0, 1]
+    assert [bm.slot(r, p) for p in range(5)] == [0, 1, 2, 3, 4]
+    r.num_computed_tokens = 5
+    assert bm.num_blocks_needed(r, 3) == 0  # positions 5..7 fit in block 1
+    assert not bm.allocate(r, 8)  # needs 2 more blocks, 1 free: refused, nothing taken
+    assert bm.num_free_blocks == 1 and r.block_table == [0, 1]
+    bm.free(r)
+    assert bm.num_free_blocks == 3 and r.block_table == []
+
+
+def test_long_prompt_is_prefilled_in_chunks_then_decodes():
+    sched, _ = make(max_num_batched_tokens=32)
+    r = req(100, max_tokens=3)
+    sched.add_request(r)
+    chunks = [run_step(sched).num_scheduled_tokens[r.request_id] for _ in range(6)]
+    assert chunks == [32, 32, 32, 4, 1, 1]
+    assert r.is_finished and r.num_output_tokens == 3
+
+
+def test_prefill_chunks_and_decodes_share_a_step():
+    sched, _ = make(max_num_batched_tokens=16)
+    a = req(4, max_tokens=10)
+    sched.add_request(a)
+    run_step(sched)  # a prefilled, decoding from now on
+    b = req(40)
+    sched.add_request(b)
+    out = run_step(sched)
+    assert out.num_scheduled_tokens == {a.request_id: 1, b.request_id: 15}
+
+
+def test_requests_join_and_leave_at_any_step():
+    sched, bm = make(max_num_batched_tokens=64)
+    a, b = req(4, max_tokens=2), req(4, max_tokens=6)
+    sched.add_request(a)
+    sched.add_request(b)
+    run_step(sched)
+    run_step(sched)
+    assert a.is_finished and not b.is_finished
+    assert a.block_table == []  # freed the step it finished
+    c = req(4, max_tokens=2)
+    sched.add_request(c)
+    out = run_step(sched)
+    assert set(out.num_scheduled_tokens) == {b.request_id, c.request_id}
+
+
+def test_max_num_seqs_caps_the_running_batch():
+    sched, _ = make(max_num_seqs=2)
+    rs = [req(4) for _ in range(3)]
+    for r in rs:
+        sched.add_request(r)
+    out = run_step(sched)
+    assert [r.request_id for r in out.requests] == [rs[0].request_id, rs[1].request_id]
+    assert list(sched.waiting) == [rs[2]]
+
+
+def test_kv_pressure_preempts_the_newest_and_recomputes_it():
+    sched, bm = make(num_blocks=6, block_size=4, max_num_batched_tokens=64)
+    old, new = req(8, max_tokens=12), req(8, max_tokens=12)
+    sched.add_request(old)
+    sched.add_request(new)
+    run_step(sched)  # 2 blocks each, 2 free
+    preempted = []
+    for _ in range(40):
+        out = run_step(sched)
+        preempted += out.preempted
+        assert bm.num_free_blocks + sum(len(r.block_table) for r in sched.running) == 6
+        if not sched.has_unfinished():
+            break
+    assert preempted and preempted[0] is new
+    assert new.num_preemptions >= 1 and old.num_preemptions == 0
+    assert old.is_finished and new.is_finished
+    assert new.num_output_tokens == 12 and old.num_output_tokens == 12
+    assert bm.num_free_blocks == 6
+
+
+def test_request_with_unavailable_adapter_is_skipped_not_blocking():
+    sched, _ = make(slots=1)
+    a = req(4, max_tokens=5, adapter="a")
+    sched.add_request(a)
+    run_step(sched)  # "a" pinned in the only slot
+    b, base = req(4, adapter="b"), req(4)
+    sched.add_request(b)
+    sched.add_request(base)
+    out = run_step(sched)
+    assert base.request_id in out.num_scheduled_tokens
+    assert b.request_id not in out.num_scheduled_tokens
+    assert list(sched.waiting) == [b]  # keeps its place at the head
+    while not a.is_finished:
+        run_step(sched)
+    out = run_step(sched)
+    assert b.request_id in out.num_scheduled_tokens  # slot freed: b gets it
+
+
+def test_static_batching_admits_only_when_the_batch_is_done():
+    sched, _ = make(static_batching=True, max_num_batched_tokens=8)
+    a, b = req(4, max_tokens=3), req(12, max_tokens=1)
+    sched.add_request(a)
+    sched.add_request(b)
+    first = run_step(sched)
+    assert set(first.num_scheduled_tokens) == {a.request_id, b.request_id}
+    assert len(sched.running) == 2
+    c = req(4)
+    sched.add_request(c)
+    while a in sched.running or b in sched.running:
+        assert c.request_id not in run_step(sched).num_scheduled_tokens
+    assert c.request_id in run_step(sched).num_scheduled_tokens
+
+
+def test_engine_config_checks_itself():
+    with pytest.raises(ValueError, match="max_loras"):
+        EngineConfig(max_loras=0)
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        EngineConfig(kv_cache_memory=-1)
