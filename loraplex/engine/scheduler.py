@@ -48,6 +48,7 @@ class Scheduler:
         self.adapters = adapters
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0
 
     def add_request(self, req: Request) -> None:
         self.waiting.append(req)
@@ -110,6 +111,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def _release_adapter(self, req: Request) -> None:

@@ -1,0 +1,23 @@
+"""PEFT LoRA adapters: parsing and validation (`peft`), and the engine's adapter slots (`manager`)."""
+
+from loraplex.adapters.peft import (
+    AdapterError,
+    LoRAAdapter,
+    LoRAModule,
+    load_peft_adapter,
+    load_peft_files,
+    read_adapter_config,
+    validate_peft_adapter,
+    validate_peft_files,
+)
+
+__all__ = [
+    "AdapterError",
+    "LoRAAdapter",
+    "LoRAModule",
+    "load_peft_adapter",
+    "load_peft_files",
+    "read_adapter_config",
+    "validate_peft_adapter",
+    "validate_peft_files",
+]

@@ -1,0 +1,65 @@
+"""`loraplex` command line: `loraplex generate ...` (more subcommands come with the gateway)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from loraplex import LLM, SamplingParams
+    from loraplex.adapters.peft import AdapterError
+
+    llm = LLM(args.model, dtype=args.dtype, max_loras=max(1, len(args.adapter)))
+    for spec in args.adapter:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            print(f"error: --adapter takes NAME=PATH, got {spec!r}", file=sys.stderr)
+            return 2
+        try:
+            llm.load_adapter(name, path)
+        except (AdapterError, OSError) as exc:
+            print(f"error: adapter {name!r}: {exc}", file=sys.stderr)
+            return 2
+    if args.use is not None and args.use not in llm.list_adapters():
+        print(f"error: --use {args.use!r} names no adapter given with --adapter", file=sys.stderr)
+        return 2
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    if args.raw or llm.tokenizer.chat_template is None:
+        out = llm.generate(args.prompt, params, adapters=args.use)[0]
+    else:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, adapters=args.use)[0]
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                          "adapter": out.adapter, "ttft_s": out.ttft_s, "latency_s": out.latency_s}))
+    else:
+        print(out.text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="loraplex", description="Multi-tenant LoRA serving on one base model.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="answer one prompt with the base model or an adapter")
+    gen.add_argument("--prompt", required=True, help="user message (sent through the chat template)")
+    gen.add_argument("--model", default="smollm2-135m-instruct", help="model name or local HF directory")
+    gen.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                     help="load a PEFT adapter directory under NAME (repeatable)")
+    gen.add_argument("--use", metavar="NAME", help="answer with this adapter (default: the base model)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, without chat template")
+    gen.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
+    args = parser.parse_args(argv)
+    try:
+        return _generate(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Shared fixtures: the real default model (converted once per machine) and PEFT adapters made on it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    """The default model's cached directory; the first run on a machine downloads and converts it."""
+    from loraplex.engine.loader import DEFAULT_MODEL, resolve_model
+
+    return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path):
+    """transformers' own LlamaForCausalLM on the same weights, fp32: the reference."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

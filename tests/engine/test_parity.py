@@ -1,0 +1,176 @@
+"""Token-for-token parity with Hugging Face transformers + PEFT on the real default model (fp32).
+
+Five adapters that differ in rank, alpha, rslora, rank/alpha patterns, layer selection and target
+modules run together in ONE mixed batch with base-only rows; each row must equal what PEFT itself
+generates for that adapter alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex import LLM, SamplingParams
+from tests.helpers import chat_ids
+
+MAX_NEW = 12
+
+ADAPTERS = {
+    "qv-r8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    "all-linear-rslora-r16": dict(r=16, lora_alpha=32, target_modules="all-linear", use_rslora=True),
+    "attn-patterns-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                             rank_pattern={"o_proj": 12}, alpha_pattern={"layers.3.self_attn.k_proj": 40}),
+    "mlp-regex-r32": dict(r=32, lora_alpha=16, target_modules=r".*\.mlp\.(gate|up|down)_proj"),
+    "layers-r8": dict(r=8, lora_alpha=8, target_modules=["o_proj", "gate_proj"], layers_to_transform=[0, 2, 5, 29]),
+    "exclude-r64": dict(r=64, lora_alpha=64, target_modules=["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"],
+                        exclude_modules=["v_proj"]),
+}
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three colours of the rainbow.",
+    "Write one sentence about the sea.",
+    "How many legs does a spider have?",
+    "Give me a word that rhymes with cat.",
+    "What is 2 + 3?",
+    "Tell me a fun fact about owls.",
+]
+
+
+@pytest.fixture(scope="module")
+def peft_model(hf_model, tmp_path_factory):
+    """A PeftModel holding the five adapters with small random A and B, saved as PEFT saves them."""
+    from peft import LoraConfig, get_peft_model
+
+    root = tmp_path_factory.mktemp("adapters")
+    gen = torch.Generator().manual_seed(1234)
+    model = None
+    for name, kwargs in ADAPTERS.items():
+        cfg = LoraConfig(init_lora_weights=False, **kwargs)
+        if model is None:
+            model = get_peft_model(hf_model, cfg, adapter_name=name)
+        else:
+            model.add_adapter(name, cfg)
+    for module in model.modules():
+        if hasattr(module, "lora_A"):
+            for name in module.lora_A:
+                a, b = module.lora_A[name].weight, module.lora_B[name].weight
+                a.data = torch.randn(a.shape, generator=gen) / a.shape[1] ** 0.5
+                b.data = torch.randn(b.shape, generator=gen) * 0.05
+    model.save_pretrained(root)  # first adapter at the root, the others in sub-folders
+    paths = {name: root / name for name in ADAPTERS}  # peft 0.21 writes every adapter in a sub-folder
+    model.eval()
+    return model, paths
+
+
+def peft_generate(model, ids: list[int], adapter: str | None) -> list[int]:
+    """PEFT's greedy output for one row alone (no padding)."""
+    names = ["__base__" if adapter is None else adapter]
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=MAX_NEW, do_sample=False, adapter_names=names, pad_token_id=2)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def llm(model_path, peft_model):
+    _, paths = peft_model
+    engine = LLM(str(model_path), dtype="float32", max_loras=7, max_lora_rank=64, kv_cache_memory=64 << 20)
+    for name, path in paths.items():
+        engine.load_adapter(name, path)
+    return engine
+
+
+def test_mixed_batch_matches_peft_token_for_token(llm, peft_model, tokenizer):
+    model, _ = peft_model
+    rows = [None, *ADAPTERS, None]  # base rows at both ends, every adapter once
+    prompts = [chat_ids(tokenizer, PROMPTS[i % len(PROMPTS)]) for i in range(len(rows))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0), adapters=rows)
+    expected = [peft_generate(model, ids, a) for ids, a in zip(prompts, rows, strict=True)]
+    for row, out, exp in zip(rows, outs, expected, strict=True):
+        assert out.adapter == row
+        n = len(out.token_ids)
+        assert out.token_ids == exp[:n], f"adapter {row}: {out.token_ids} != {exp}"
+        assert n == MAX_NEW or out.finish_reason == "stop"
+    base = expected[0]
+    assert all(exp != base for exp in expected[1:-1]), "every adapter must change the output"
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_first_step_logits_within_1e3_of_peft(llm, peft_model, tokenizer):
+    model, _ = peft_model
+    engine = llm.engine
+    rows = [None, *ADAPTERS]
+    prompts = [chat_ids(tokenizer, p) for p in PROMPTS[: len(rows)]]
+    reqs = [engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0), a)
+            for ids, a in zip(prompts, rows, strict=True)]
+    sched = engine.scheduler.schedule()
+    assert len(sched.requests) == len(rows)
+    input_ids, positions, attn, lora, sampled, sample_rows = engine.runner.prepare(sched, engine.adapters.slot_ranks)
+    hidden = engine.model(input_ids, positions, engine.runner.kv_caches, attn, lora)
+    ours = engine.model.compute_logits(hidden[sample_rows])
+    for req in reqs:
+        engine.abort_request(req.request_id)
+    for i, req in enumerate(sampled):
+        names = ["__base__" if req.adapter is None else req.adapter]
+        with torch.no_grad():
+            ref = model(torch.tensor([req.prompt_token_ids]), adapter_names=names).logits[0, -1]
+        torch.testing.assert_close(ours[i], ref, atol=1e-3, rtol=0)
+
+
+def test_request_joining_mid_decode_gets_the_same_tokens(llm, peft_model, tokenizer):
+    model, _ = peft_model
+    engine = llm.engine
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+    early = [engine.add_request(chat_ids(tokenizer, p), greedy, a)
+             for p, a in [(PROMPTS[0], "qv-r8"), (PROMPTS[1], None)]]
+    for _ in range(5):
+        engine.step()
+    assert all(r.num_output_tokens >= 3 and not r.is_finished for r in early)
+    late_ids = chat_ids(tokenizer, PROMPTS[2])
+    late = engine.add_request(late_ids, greedy, "exclude-r64")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert late.output_token_ids == peft_generate(model, late_ids, "exclude-r64")[: late.num_output_tokens]
+    alone = llm.generate([late_ids], greedy, adapters="exclude-r64")[0]
+    assert alone.token_ids == late.output_token_ids
+
+
+def test_preemption_under_a_tiny_kv_cache_gives_the_same_tokens(model_path, peft_model, tokenizer):
+    model, paths = peft_model
+    rows = ["qv-r8", None, "mlp-regex-r32"]
+    prompts = [chat_ids(tokenizer, p) for p in PROMPTS[3:6]]
+    # Just enough blocks to admit all three prompts; growing by MAX_NEW tokens forces preemption.
+    num_blocks = sum(-(-len(p) // 16) for p in prompts)
+    assert any(len(p) + MAX_NEW > -(-len(p) // 16) * 16 for p in prompts)
+    small = LLM(str(model_path), dtype="float32", max_loras=2, max_lora_rank=64, num_kv_blocks=num_blocks,
+                block_size=16)
+    small.load_adapter("qv-r8", paths["qv-r8"])
+    small.load_adapter("mlp-regex-r32", paths["mlp-regex-r32"])
+    outs = small.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True), adapters=rows)
+    engine = small.engine
+    assert engine.scheduler.num_preemptions > 0
+    for ids, a, out in zip(prompts, rows, outs, strict=True):
+        expected = peft_generate(model, ids, a)  # PEFT stops at EOS; ignore_eos kept ours going
+        assert out.token_ids[: len(expected)] == expected
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.adapters.refcount
+
+
+def test_seeded_sampling_is_the_same_in_any_batch(llm, tokenizer):
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=7)
+    ids = chat_ids(tokenizer, PROMPTS[6])
+    alone = llm.generate([ids], params)[0]
+    crowd = llm.generate([chat_ids(tokenizer, p) for p in PROMPTS[:3]] + [ids],
+                         [SamplingParams(max_tokens=10, temperature=1.0)] * 3 + [params])[3]
+    assert alone.token_ids == crowd.token_ids
+    other_seed = llm.generate([ids], SamplingParams(max_tokens=10, temperature=0.9, seed=8))[0]
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_default_model_answers_the_capital_question(model_path):
+    llm = LLM(str(model_path), kv_cache_memory=32 << 20)  # dtype auto: bf16 where fast
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(max_tokens=20, temperature=0))[0]
+    assert out.text == "The capital of France is Paris."
+    assert out.finish_reason == "stop"
