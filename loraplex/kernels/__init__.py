@@ -1,0 +1,34 @@
+"""Multi-adapter LoRA ops: per-step segment metadata, slot buffers, and one dispatching `add_lora`.
+
+The Triton names (`add_lora_triton`, `sgmv_shrink`, `sgmv_expand`, `TileConfig`, `TILE_TABLE`,
+`pick_tiles`) load on first access, so importing this package needs no Triton and does not fix the
+Triton interpreter mode (TRITON_INTERPRET is read when the kernels are defined).
+"""
+
+from loraplex.kernels.lora_ops import BACKENDS, LoRAWeights, add_lora, set_backend
+from loraplex.kernels.metadata import LoRAMeta, build_lora_meta
+from loraplex.kernels.reference import add_lora_packed, add_lora_segmented, lora_expand_ref, lora_shrink_ref
+
+_TRITON_NAMES = ("add_lora_triton", "sgmv_shrink", "sgmv_expand", "TileConfig", "TILE_TABLE", "pick_tiles")
+
+__all__ = [
+    "BACKENDS",
+    "LoRAMeta",
+    "LoRAWeights",
+    "add_lora",
+    "add_lora_packed",
+    "add_lora_segmented",
+    "build_lora_meta",
+    "lora_expand_ref",
+    "lora_shrink_ref",
+    "set_backend",
+    *_TRITON_NAMES,
+]
+
+
+def __getattr__(name: str):
+    if name in _TRITON_NAMES:
+        from loraplex.kernels import triton_sgmv
+
+        return getattr(triton_sgmv, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,102 @@
+"""PyTorch reference of the multi-adapter LoRA ops; also the CPU path of the engine.
+
+Letters: T rows, S adapter slots, R max rank, H_in / H_out the projection's in / out features,
+N sum over active slots of their rank (the packed path's inner size).
+
+Semantics (Punica, arXiv:2310.18547), for row t with slot s = slot_ids[t] >= 0 and r = ranks[s]:
+    shrink:  v[t, :r] = x[t] @ A[s, :r].T
+    expand:  y[t, off:off+H_out] += scales[s] * v[t, :r] @ B[s, :, :r].T
+Rows with slot -1 are never written, so they keep exactly the base model's output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.kernels.metadata import LoRAMeta
+
+
+def lora_shrink_ref(x: torch.Tensor, A: torch.Tensor, ranks: list[int], meta: LoRAMeta,
+                    v: torch.Tensor) -> torch.Tensor:
+    """v[rows of slot s, :r_s] = x[rows] @ A[s, :r_s].T, segment by segment; fp32 accumulation.
+
+    x: [T, H_in]; A: [S, R, H_in]; ranks: host list [S]; v: [T, R] output (fp32 or x.dtype). Only
+    rows with an adapter and columns below their slot's rank are written. Returns v.
+    """
+    for slot, start, n in zip(meta.seg_slots_list, meta.seg_starts_list, meta.seg_lens_list, strict=True):
+        r = ranks[slot]
+        if r == 0:
+            continue
+        rows = meta.row_order[start:start + n]
+        xs = x.index_select(0, rows).float()  # [n, H_in]
+        v[rows, :r] = (xs @ A[slot, :r].float().T).to(v.dtype)  # [n, r]
+    return v
+
+
+def lora_expand_ref(y: torch.Tensor, v: torch.Tensor, B: torch.Tensor, ranks: list[int],
+                    scales: list[float], meta: LoRAMeta, offset: int = 0) -> torch.Tensor:
+    """y[rows of slot s, offset:offset+H_out] += scales[s] * v[rows, :r_s] @ B[s, :, :r_s].T.
+
+    y: [T, H_total] updated in place; v: [T, R]; B: [S, H_out, R]; ranks, scales: host lists [S].
+    Accumulates in fp32, adds once in y.dtype. Returns y.
+    """
+    h_out = B.shape[1]
+    for slot, start, n in zip(meta.seg_slots_list, meta.seg_starts_list, meta.seg_lens_list, strict=True):
+        r = ranks[slot]
+        if r == 0:
+            continue
+        rows = meta.row_order[start:start + n]
+        delta = (v.index_select(0, rows)[:, :r].float() @ B[slot, :, :r].float().T) * scales[slot]  # [n, H_out]
+        y[rows, offset:offset + h_out] += delta.to(y.dtype)
+    return y
+
+
+def add_lora_segmented(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
+                       offsets: list[int]) -> torch.Tensor:
+    """Reference `add_lora`: shrink then expand for each slice, one segment at a time (fp32 maths)."""
+    for w, off in zip(slices, offsets, strict=True):
+        v = torch.zeros(x.shape[0], w.A.shape[1], dtype=torch.float32, device=x.device)  # [T, R]
+        lora_shrink_ref(x, w.A, w.ranks_list, meta, v)
+        lora_expand_ref(y, v, w.B, w.ranks_list, w.scales_list, meta, off)
+    return y
+
+
+def _packed_columns(meta: LoRAMeta, device: torch.device):
+    """Columns of the packed path: for each active slot, ranks 0..slot_ranks[s]-1 (cached on meta)."""
+    if meta._packed is None:
+        s_idx: list[int] = []
+        r_idx: list[int] = []
+        for slot in meta.seg_slots_list:
+            r = meta.slot_ranks[slot]
+            s_idx += [slot] * r
+            r_idx += list(range(r))
+        s_t = torch.tensor(s_idx, dtype=torch.int64, device=device)  # [N]
+        rows = meta.row_order.to(device)  # [T_a] rows with an adapter
+        # mask[i, n]: column n belongs to the slot of row rows[i].
+        mask = meta.slot_ids.to(device=device, dtype=torch.int64)[rows][:, None] == s_t[None, :]  # [T_a, N]
+        meta._packed = {"s": s_t, "r": torch.tensor(r_idx, dtype=torch.int64, device=device), "mask": mask,
+                        "rows": rows}
+    return meta._packed
+
+
+def add_lora_packed(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
+                    offsets: list[int]) -> torch.Tensor:
+    """CPU fast path: all active adapters' A rows in one matmul, masked per row, one expand matmul.
+
+    Two matmuls per slice however many adapters are in the step, at the price of computing every
+    row against every active adapter's rank (T x N x (H_in + H_out) FLOPs); cheaper than one small
+    matmul pair per segment on a CPU when T is small. Needs `meta.slot_ranks` and slot buffers whose
+    rank padding is zero (the engine's are). Masking is by assignment (`torch.where`) so no value of
+    another adapter, NaN included, reaches a row; only rows with an adapter are read and written, so
+    the others keep their bits (y + 0.0 would turn -0.0 into 0.0).
+    """
+    cols = _packed_columns(meta, x.device)
+    s_idx, r_idx, mask, rows = cols["s"], cols["r"], cols["mask"], cols["rows"]
+    xs = x.index_select(0, rows)  # [T_a, H_in]
+    for w, off in zip(slices, offsets, strict=True):
+        a = w.A[s_idx, r_idx]  # [N, H_in]
+        b = w.B[s_idx, :, r_idx]  # [N, H_out]
+        v = xs @ a.T  # [T_a, N]
+        v = torch.where(mask, v * w.scales.to(v.dtype)[s_idx], torch.zeros((), dtype=v.dtype))
+        y[:, off:off + b.shape[1]].index_add_(0, rows, (v @ b).to(y.dtype))
+    return y

@@ -1,0 +1,133 @@
+"""Shared builders for the LoRA kernel tests: batches by adapter popularity and a dense fp32 truth.
+
+The truth is a plain per-row loop in fp32, independent of loraplex.kernels.reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.kernels.lora_ops import LoRAWeights
+from loraplex.kernels.metadata import LoRAMeta, build_lora_meta
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+RANKS = (4, 8, 16, 64)
+MAX_RANK = 64
+NUM_SLOTS = 17  # more than the 16 adapters a batch may hold: some slots stay unused
+POPULARITIES = ("distinct", "uniform", "zipf", "identical", "skewed")
+# (atol, rtol) against the fp32 truth; 16-bit inputs also round y and, in tl.dot tiles, v.
+TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
+
+
+@dataclass
+class Case:
+    x: torch.Tensor  # [T, H_in]
+    y: torch.Tensor  # [T, sum H_out], the base output before LoRA
+    slices: list[LoRAWeights]
+    offsets: list[int]
+    slot_ids: list[int]
+    meta: LoRAMeta
+
+
+def make_slot_ids(popularity: str, num_tokens: int, num_adapters: int, gen: torch.Generator,
+                  no_adapter_frac: float = 0.2) -> list[int]:
+    """Per-row slot ids (-1 = no adapter) for `num_adapters` adapters placed on scattered slots, unsorted."""
+    n = num_adapters
+    if popularity == "distinct":  # a different adapter per row while there are enough
+        ids = torch.arange(num_tokens) % n
+    elif popularity == "uniform":
+        ids = torch.randint(0, n, (num_tokens,), generator=gen)
+    elif popularity == "zipf":
+        p = 1.0 / torch.arange(1, n + 1, dtype=torch.float64) ** 1.5
+        ids = torch.multinomial(p, num_tokens, replacement=True, generator=gen)
+    elif popularity == "identical":
+        ids = torch.zeros(num_tokens, dtype=torch.int64)
+    elif popularity == "skewed":  # one adapter holds all but a few rows
+        ids = torch.zeros(num_tokens, dtype=torch.int64)
+        few = max(1, num_tokens // 20) if n > 1 else 0
+        ids[:few] = torch.randint(1, max(n, 2), (few,), generator=gen)
+    else:
+        raise ValueError(popularity)
+    slot_of = torch.randperm(NUM_SLOTS, generator=gen)[:n]  # adapter k lives in slot slot_of[k]
+    ids = slot_of[ids]
+    if num_tokens > 1:
+        ids[torch.rand(num_tokens, generator=gen) < no_adapter_frac] = -1
+    return ids[torch.randperm(num_tokens, generator=gen)].tolist()
+
+
+def make_slices(h_in: int, h_outs: list[int], dtype: torch.dtype, gen: torch.Generator, padding: str,
+                rank_shift: int = 0) -> list[LoRAWeights]:
+    """One LoRAWeights per output width; slot s of slice i has rank RANKS[(s + i + rank_shift) % 4].
+
+    padding: "zero" (as the engine writes) or "nan": every value beyond a slot's rank is NaN.
+    """
+    slices = []
+    for i, h_out in enumerate(h_outs):
+        w = LoRAWeights.empty(NUM_SLOTS, MAX_RANK, h_in, h_out, dtype, DEVICE)
+        for s in range(NUM_SLOTS):
+            r = RANKS[(s + i + rank_shift) % len(RANKS)]
+            a = torch.randn(r, h_in, generator=gen) / h_in**0.5
+            b = torch.randn(h_out, r, generator=gen) / r**0.5
+            w.set_slot(s, a.to(dtype), b.to(dtype), scale=0.5 + 1.5 * torch.rand(1, generator=gen).item())
+        if padding == "nan":
+            fill_padding(w, float("nan"))
+        slices.append(w)
+    return slices
+
+
+def fill_padding(w: LoRAWeights, value: float) -> None:
+    for s, r in enumerate(w.ranks_list):
+        w.A[s, r:] = value
+        w.B[s, :, r:] = value
+
+
+def make_case(num_tokens: int, popularity: str, num_adapters: int, dtype: torch.dtype, h_in: int,
+              h_outs: list[int], padding: str = "nan", seed: int = 0) -> Case:
+    """A batch whose rows without an adapter hold NaN in x and NaN, inf and -0.0 in y (never touched)."""
+    gen = torch.Generator().manual_seed(seed)
+    slot_ids = make_slot_ids(popularity, num_tokens, num_adapters, gen)
+    slices = make_slices(h_in, h_outs, dtype, gen, padding)
+    x = torch.randn(num_tokens, h_in, generator=gen)
+    y = torch.randn(num_tokens, sum(h_outs), generator=gen)
+    for t, s in enumerate(slot_ids):
+        if s < 0:
+            x[t] = float("nan")
+            y[t, 0::3], y[t, 1::3], y[t, 2::3] = float("nan"), float("-inf"), -0.0
+    if padding == "nan":  # slots outside the batch are never read at all
+        for s in set(range(NUM_SLOTS)) - set(slot_ids):
+            for w in slices:
+                w.A[s], w.B[s] = float("nan"), float("nan")
+    offsets = [sum(h_outs[:i]) for i in range(len(h_outs))]
+    meta = build_lora_meta(slot_ids, DEVICE, slot_ranks=max_slot_ranks(slices))
+    return Case(x.to(DEVICE, dtype), y.to(DEVICE, dtype), slices, offsets, slot_ids, meta)
+
+
+def max_slot_ranks(slices: list[LoRAWeights]) -> list[int]:
+    return [max(w.ranks_list[s] for w in slices) for s in range(NUM_SLOTS)]
+
+
+def dense_reference(case: Case, y_before: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, sum H_out] fp32: y_before (default case.y) + every row's own adapter delta, row by row."""
+    ref = (case.y if y_before is None else y_before).float().cpu().clone()
+    x = case.x.float().cpu()
+    for w, off in zip(case.slices, case.offsets, strict=True):
+        A, B = w.A.float().cpu(), w.B.float().cpu()
+        for t, s in enumerate(case.slot_ids):
+            r = w.ranks_list[s] if s >= 0 else 0
+            if r:
+                ref[t, off:off + B.shape[1]] += w.scales_list[s] * ((x[t] @ A[s, :r].T) @ B[s, :, :r].T)
+    return ref
+
+
+def assert_matches(out: torch.Tensor, case: Case, y_before: torch.Tensor) -> None:
+    """Rows with an adapter match the dense truth within the dtype's tolerance; rows without are
+    bit-identical to `y_before`."""
+    atol, rtol = TOLERANCES[case.x.dtype]
+    ref = dense_reference(case, y_before)
+    out, y_before = out.cpu(), y_before.cpu()
+    rows = [t for t, s in enumerate(case.slot_ids) if s >= 0]
+    idle = [t for t, s in enumerate(case.slot_ids) if s < 0]
+    torch.testing.assert_close(out[rows].float(), ref[rows], atol=atol, rtol=rtol)
+    assert torch.equal(out[idle].contiguous().view(torch.uint8), y_before[idle].contiguous().view(torch.uint8))

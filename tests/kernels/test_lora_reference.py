@@ -1,0 +1,74 @@
+"""PyTorch reference paths (segmented, packed), segment metadata and dispatch, against the dense truth."""
+
+import pytest
+import torch
+from lora_cases import DEVICE, POPULARITIES, assert_matches, make_case
+
+from loraplex.kernels import lora_ops
+from loraplex.kernels.metadata import build_lora_meta
+from loraplex.kernels.reference import add_lora_packed, add_lora_segmented
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+PATHS = {"segmented": add_lora_segmented, "packed": add_lora_packed}
+
+
+def _run(path, case):
+    y_before = case.y.clone()
+    out = PATHS[path](case.y, case.x, case.slices, case.meta, case.offsets)
+    assert_matches(out, case, y_before)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("popularity", POPULARITIES)
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 300])
+def test_matches_dense(path, dtype, popularity, num_tokens):
+    if popularity == "distinct" and num_tokens > 16:
+        popularity = "uniform"  # 16 adapters at most: distinct rows need T <= 16
+    num_adapters = min(num_tokens, 16) if popularity in ("distinct", "uniform") else 5
+    # The packed path reads padding (times zero): it needs the engine's zero padding.
+    padding = "nan" if path == "segmented" else "zero"
+    _run(path, make_case(num_tokens, popularity, num_adapters, dtype, 100, [61], padding, seed=num_tokens))
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_fused_qkv_gqa(path):
+    case = make_case(24, "uniform", 6, torch.bfloat16, 576, [576, 192, 192],
+                     "nan" if path == "segmented" else "zero", seed=7)
+    _run(path, case)
+
+
+def test_dispatch_auto_and_forced(monkeypatch):
+    case = make_case(12, "uniform", 3, torch.float32, 72, [61, 45], padding="zero", seed=8)
+    for backend in ("auto", "segmented", "packed"):
+        monkeypatch.setattr(lora_ops, "_backend", backend)
+        y = case.y.clone()
+        lora_ops.add_lora(y, case.x, case.slices, case.meta)  # default offsets: consecutive
+        assert_matches(y, case, case.y)
+    with pytest.raises(ValueError, match="unknown LoRA backend"):
+        lora_ops.set_backend("cublas")
+
+
+def test_segments_group_rows_stably():
+    meta = build_lora_meta([2, -1, 0, 2, 0], DEVICE)
+    assert meta.row_order.tolist() == [2, 4, 0, 3]
+    assert (meta.seg_slots_list, meta.seg_starts_list, meta.seg_lens_list) == ([0, 2], [0, 2], [2, 2])
+    assert meta.max_seg_len == 2 and meta.has_lora
+    assert not build_lora_meta([-1, -1]).has_lora
+    with pytest.raises(ValueError):
+        build_lora_meta([0, -2])
+
+
+@pytest.mark.parametrize("block_m", [1, 2, 16])
+def test_row_tiles_cover_each_adapter_row_once(block_m):
+    slot_ids = [3, -1, 0, 3, 0, 3, 3, 1, -1, 3]
+    meta = build_lora_meta(slot_ids, DEVICE)
+    tiles = meta.row_tiles(block_m).tolist()
+    assert meta.row_tiles(block_m) is meta.row_tiles(block_m)  # cached for every layer of the step
+    covered = []
+    for slot, first, end in tiles:
+        assert 0 < end - first <= block_m
+        rows = meta.row_order[first:end].tolist()
+        assert all(slot_ids[t] == slot for t in rows)
+        covered += rows
+    assert sorted(covered) == [t for t, s in enumerate(slot_ids) if s >= 0]

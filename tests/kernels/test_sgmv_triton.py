@@ -1,0 +1,193 @@
+"""Triton SGMV kernels against the dense fp32 truth (natively on a GPU, in the interpreter on a CPU).
+
+Every case pads each slot's weights beyond its rank with NaN, fills unused slots with NaN, and gives
+rows without an adapter NaN in x and NaN / -inf / -0.0 in y: any masked load or write that slips
+shows up as a NaN or a changed bit.
+"""
+
+import pytest
+import torch
+from lora_cases import DEVICE, NUM_SLOTS, assert_matches, dense_reference, fill_padding, make_case
+
+from loraplex.kernels import lora_ops
+from loraplex.kernels.metadata import build_lora_meta
+from loraplex.kernels.triton_sgmv import (
+    TILE_TABLE,
+    TileConfig,
+    add_lora_triton,
+    pick_tiles,
+    sgmv_expand,
+    sgmv_shrink,
+)
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+# (T, popularity, adapters, dtype, H_in, H_out): a sample of the grid, not its full product, so the
+# interpreter run stays short. Each T meets several popularities and each popularity several dtypes.
+GRID = [
+    (1, "distinct", 1, F32, 72, 61),
+    (7, "distinct", 7, BF16, 100, 61),
+    (7, "identical", 1, F16, 72, 45),
+    (16, "distinct", 16, BF16, 72, 61),
+    (64, "uniform", 16, BF16, 100, 61),
+    (64, "zipf", 8, F16, 72, 61),
+    (64, "distinct", 16, F32, 72, 45),
+    (64, "skewed", 5, F16, 100, 33),
+    (300, "skewed", 4, BF16, 100, 61),
+    (300, "zipf", 16, F32, 72, 45),
+    (300, "uniform", 2, F16, 100, 33),
+    (300, "identical", 1, BF16, 72, 61),
+]
+
+# Small blocks force several H_in steps, several rank steps (rank 64 in blocks of 16), several column
+# blocks, and split-K (3 does not divide the steps evenly).
+ODD_TILES = [
+    TileConfig(block_m=1, block_k=32, split_k=2, block_n=16, block_r=16, num_warps=4),
+    TileConfig(block_m=16, block_k=32, split_k=3, block_n=32, block_r=16, num_warps=4),
+    TileConfig(block_m=32, block_k=16, split_k=1, block_n=16, block_r=32, num_warps=4),
+]
+
+
+def _run(case, tiles=None):
+    y_before = case.y.clone()
+    out = add_lora_triton(case.y, case.x, case.slices, case.meta, case.offsets, tiles)
+    assert out is case.y
+    assert_matches(out, case, y_before)
+
+
+@pytest.mark.parametrize("num_tokens, popularity, num_adapters, dtype, h_in, h_out", GRID)
+def test_matches_dense(num_tokens, popularity, num_adapters, dtype, h_in, h_out):
+    _run(make_case(num_tokens, popularity, num_adapters, dtype, h_in, [h_out], seed=num_tokens))
+
+
+@pytest.mark.parametrize("tiles", [cfg for _, cfg in TILE_TABLE] + ODD_TILES,
+                         ids=lambda t: f"m{t.block_m}k{t.block_k}s{t.split_k}n{t.block_n}r{t.block_r}")
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+def test_every_tile_shape(tiles, dtype):
+    _run(make_case(40, "zipf", 6, dtype, 100, [61], seed=1), tiles)
+
+
+@pytest.mark.parametrize("num_tokens, popularity, dtype", [(64, "uniform", BF16), (9, "distinct", F16)])
+def test_fused_qkv_gqa(num_tokens, popularity, dtype):
+    """q/k/v of different widths in one launch; one adapter does not target v (rank 0 there)."""
+    case = make_case(num_tokens, popularity, 8, dtype, 576, [576, 192, 192], seed=2)
+    skipped = next(s for s in case.slot_ids if s >= 0)
+    case.slices[2].set_slot(skipped, None, None, 0.0)
+    fill_padding(case.slices[2], float("nan"))
+    _run(case)
+
+
+def test_gate_up_any_offsets():
+    """Slices placed in y out of order: up first, then gate."""
+    case = make_case(20, "uniform", 4, BF16, 72, [97, 97], seed=3)
+    case.offsets = [97, 0]
+    _run(case)
+
+
+def test_fp32_output_of_16bit_weights():
+    """y may be wider than the weights: the expand adds its fp32 sum and rounds once to y's dtype."""
+    case = make_case(20, "zipf", 4, BF16, 72, [61], seed=6)
+    case.y = case.y.float()
+    y_before = case.y.clone()
+    add_lora_triton(case.y, case.x, case.slices, case.meta, case.offsets)
+    assert_matches(case.y, case, y_before)
+
+
+def test_shrink_writes_each_rank():
+    case = make_case(30, "zipf", 5, F32, 100, [61, 33], seed=4)
+    v = sgmv_shrink(case.x, case.slices, case.meta)  # [2, T, R]
+    assert v.shape == (2, 30, 64) and v.dtype == torch.float32
+    for i, w in enumerate(case.slices):
+        for t, s in enumerate(case.slot_ids):
+            if s >= 0:
+                r = w.ranks_list[s]
+                want = case.x[t].float().cpu() @ w.A[s, :r].float().cpu().T
+                torch.testing.assert_close(v[i, t, :r].cpu(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_no_adapter_rows_only():
+    case = make_case(5, "uniform", 2, F16, 72, [61])
+    meta = build_lora_meta([-1] * 5, DEVICE)
+    y_before = case.y.clone()
+    add_lora_triton(case.y, case.x, case.slices, meta, case.offsets)
+    assert torch.equal(case.y.view(torch.int16), y_before.view(torch.int16))
+
+
+def test_forced_backend_dispatches_to_triton(monkeypatch):
+    monkeypatch.setattr(lora_ops, "_backend", "triton")
+    case = make_case(12, "uniform", 3, F16, 72, [61, 45], seed=5)
+    y_before = case.y.clone()
+    lora_ops.add_lora(case.y, case.x, case.slices, case.meta)  # default offsets: consecutive
+    assert_matches(case.y, case, y_before)
+
+
+def test_tile_table_is_ordered_and_covers_every_length():
+    bounds = [bound for bound, _ in TILE_TABLE]
+    assert bounds == sorted(bounds)
+    for max_seg_len in (1, 2, 16, 17, 4096, 10**9):
+        meta = build_lora_meta([0] * min(max_seg_len, 3))
+        meta.max_seg_len = max_seg_len
+        assert pick_tiles(meta).block_m >= 1
+
+
+def _bad(case, what):
+    """Break one thing about a valid case; returns the call that must raise."""
+    x, y, slices, meta, offsets = case.x, case.y, list(case.slices), case.meta, case.offsets
+    w = slices[0]
+    if what == "x dtype":
+        x = x.double()
+    elif what == "weight dtype":
+        slices[0] = lora_ops.LoRAWeights(w.A.half(), w.B.half(), w.ranks, w.scales, w.ranks_list, w.scales_list)
+    elif what == "A not contiguous":
+        a = w.A.transpose(1, 2).contiguous().transpose(1, 2)
+        slices[0] = lora_ops.LoRAWeights(a, w.B, w.ranks, w.scales, w.ranks_list, w.scales_list)
+    elif what == "H_in":
+        x = x[:, :-1]
+    elif what == "rows":
+        x, y = x[:-1], y[:-1]
+    elif what == "offsets":
+        offsets = [1]
+    elif what == "slot":
+        meta = build_lora_meta([NUM_SLOTS] + case.slot_ids[1:], DEVICE)
+    elif what == "rank":
+        slices[0] = lora_ops.LoRAWeights(w.A[:, :8].contiguous(), w.B[:, :, :8].contiguous(), w.ranks,
+                                         w.scales, w.ranks_list, w.scales_list)
+    elif what == "ranks dtype":
+        slices[0] = lora_ops.LoRAWeights(w.A, w.B, w.ranks.long(), w.scales, w.ranks_list, w.scales_list)
+    elif what == "y dtype":
+        y = y.double()
+    return lambda: add_lora_triton(y, x, slices, meta, offsets)
+
+
+@pytest.mark.parametrize("what", ["x dtype", "weight dtype", "A not contiguous", "H_in", "rows", "offsets",
+                                  "slot", "rank", "ranks dtype", "y dtype"])
+def test_launcher_rejects(what):
+    case = make_case(6, "distinct", 6, F32, 72, [61], padding="zero")
+    with pytest.raises(ValueError):
+        _bad(case, what)()
+
+
+def test_expand_rejects_bad_v():
+    case = make_case(6, "distinct", 6, F32, 72, [61], padding="zero")
+    v = sgmv_shrink(case.x, case.slices, case.meta)
+    for bad in (v.half(), v[:, :-1], v[..., :4]):
+        with pytest.raises(ValueError):
+            sgmv_expand(case.y, bad, case.slices, case.meta, case.offsets)
+
+
+def test_wrong_mode_is_explained(monkeypatch):
+    from loraplex.kernels import triton_sgmv
+
+    monkeypatch.setattr(triton_sgmv, "INTERPRETED", DEVICE != "cpu")
+    case = make_case(4, "distinct", 4, F32, 72, [61], padding="zero")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        add_lora_triton(case.y, case.x, case.slices, case.meta, case.offsets)
+
+
+def test_reference_truth_is_plain():
+    """The truth itself: one row, one adapter, by hand."""
+    case = make_case(1, "distinct", 1, F32, 72, [61], padding="zero")
+    s, w = case.slot_ids[0], case.slices[0]
+    r = w.ranks_list[s]
+    want = case.y[0].cpu() + w.scales_list[s] * (w.B[s, :, :r] @ (w.A[s, :r] @ case.x[0])).cpu()
+    torch.testing.assert_close(dense_reference(case)[0], want)
