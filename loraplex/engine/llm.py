@@ -26,15 +26,22 @@ class LLM:
 
     # adapters -----------------------------------------------------------------------------------
     def load_adapter(self, name: str, path) -> None:
-        """Validate and register a PEFT adapter directory under `name` (AdapterError if invalid)."""
+        """Validate and register a PEFT adapter directory under `name` (AdapterError if invalid).
+
+        Cheap: the tensors are read into host memory and an adapter slot on first use."""
         self.engine.adapters.register(name, path)
 
     def unload_adapter(self, name: str) -> None:
         """Forget an adapter (KeyError if unknown, AdapterInUseError while requests use it)."""
-        self.engine.adapters.unregister(name)
+        self.engine.unload_adapter(name)
 
     def list_adapters(self) -> list[str]:
-        return list(self.engine.adapters.adapters)
+        return list(self.engine.adapters.registry)
+
+    def adapter_stats(self) -> dict:
+        """Per-tier capacity, occupancy, hits, misses, evictions, load latency (p50/p99 seconds) and
+        each adapter's tier; see `AdapterManager.adapter_stats`."""
+        return self.engine.adapters.adapter_stats()
 
     # generation ---------------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],

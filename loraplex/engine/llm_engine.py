@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from loraplex.adapters.manager import AdapterManager
+from loraplex.adapters.manager import AdapterInUseError, AdapterManager
 from loraplex.engine.block_manager import BlockManager, cdiv
 from loraplex.engine.config import EngineConfig, ModelConfig
 from loraplex.engine.detokenizer import IncrementalDetokenizer
@@ -128,6 +128,8 @@ class LLMEngine:
                              f"KV cache, but the whole cache holds {capacity} tokens")
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"adapter {adapter!r} is not loaded")
+        if adapter is not None and adapter in self.adapters.failed:
+            raise ValueError(f"adapter {adapter!r} failed to load: {self.adapters.failed[adapter]}")
         if any(t < 0 or t >= self.model_config.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
         kwargs = {"request_id": request_id} if request_id is not None else {}
@@ -147,6 +149,14 @@ class LLMEngine:
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         return self._output(req, [])
 
+    def unload_adapter(self, name: str) -> None:
+        """Forget an adapter. KeyError if unknown; AdapterInUseError while any request (running or
+        waiting) uses it."""
+        waiting = sum(r.adapter == name for r in self.scheduler.waiting)
+        if waiting:
+            raise AdapterInUseError(f"adapter {name!r} is used by {waiting} waiting request(s)")
+        self.adapters.unregister(name)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -160,7 +170,7 @@ class LLMEngine:
 
     def _update(self, sched: SchedulerOutput, tokens: dict[str, int]) -> list[RequestOutput]:
         now = time.monotonic()
-        outputs = []
+        outputs = [self._output(req, []) for req in sched.aborted]
         for req in sched.requests:
             req.num_computed_tokens += sched.num_scheduled_tokens[req.request_id]
             token = tokens.get(req.request_id)

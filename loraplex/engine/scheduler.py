@@ -6,12 +6,16 @@ token budget is left. Per step:
 1. running requests first, oldest first; if the KV cache cannot hold a request's new tokens, the
    newest running request is preempted (blocks freed, recomputed later) until it can;
 2. then waiting requests in arrival order, while sequences, tokens, KV blocks and adapter slots last.
-   A request whose adapter cannot get a slot this step is skipped (vLLM's `max_loras` rule) and
-   does not block the requests behind it; one that does not fit in the KV cache stops admission.
+   A request whose adapter cannot get a slot this step, or is still loading from disk, is skipped
+   (vLLM's `max_loras` rule) and does not block the requests behind it; one that does not fit in the
+   KV cache stops admission;
+3. adapters of waiting requests are prefetched from disk in arrival order (see AdapterManager for
+   the policy that keeps a cold adapter from starving).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -21,6 +25,8 @@ from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.request import Request, RequestStatus
 
+PREFETCH_LOOKAHEAD = 32  # waiting requests whose adapters are prefetched
+
 
 @dataclass
 class SchedulerOutput:
@@ -29,6 +35,7 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    aborted: list[Request] = field(default_factory=list)  # e.g. their adapter failed to load
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -57,6 +64,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        self.adapters.poll()
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         for req in list(self.running):
@@ -76,16 +84,28 @@ class Scheduler:
             out.requests.append(req)
             out.num_scheduled_tokens[req.request_id] = num_new
             budget -= num_new
-        if out.preempted or (self.cfg.static_batching and self.running):
-            return out
-        skipped: list[Request] = []
+        if not (out.preempted or (self.cfg.static_batching and self.running)):
+            self._admit(out, budget)
+        self._prefetch()
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
         # Static batching (a benchmark baseline) admits a whole batch at once, even requests whose
         # prefill must wait for a later step's token budget.
+        skipped: list[Request] = []
+        blocked: str | None = None  # adapter of the oldest request waiting for a slot
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             if budget == 0 and not self.cfg.static_batching:
                 break
             req = self.waiting[0]
+            if req.adapter is not None and req.adapter in self.adapters.failed:
+                self.waiting.popleft()
+                self.finish(req, RequestStatus.FINISHED_ABORTED)
+                out.aborted.append(req)
+                continue
             if req.adapter is not None and not self.adapters.can_acquire(req.adapter):
+                if blocked is None and req.adapter not in self.adapters.draining:
+                    blocked = req.adapter
                 skipped.append(self.waiting.popleft())
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -101,7 +121,15 @@ class Scheduler:
                 out.num_scheduled_tokens[req.request_id] = num_new
                 budget -= num_new
         self.waiting.extendleft(reversed(skipped))
-        return out
+        self.adapters.make_room_for(blocked)
+
+    def _prefetch(self) -> None:
+        """Start disk loads for the adapters of waiting requests, in arrival order."""
+        wanted: set[str] = set()
+        for req in itertools.islice(self.waiting, PREFETCH_LOOKAHEAD):
+            if req.adapter is not None and req.adapter not in wanted:
+                self.adapters.prefetch(req.adapter, keep=wanted)
+                wanted.add(req.adapter)
 
     def _preempt(self, req: Request) -> None:
         """Free everything `req` holds; it goes back to the front of the queue and is recomputed."""

@@ -17,6 +17,17 @@ class FakeAdapters:
         self.num_slots = num_slots
         self.resident: list[str] = []
         self.refcount: dict[str, int] = {}
+        self.failed: dict[str, str] = {}
+        self.draining: set[str] = set()
+
+    def poll(self):
+        pass
+
+    def prefetch(self, name, keep=frozenset()):
+        return True
+
+    def make_room_for(self, name):
+        pass
 
     def can_acquire(self, name):
         return name in self.resident or len(self.resident) < self.num_slots or any(
