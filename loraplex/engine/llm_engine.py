@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 from pathlib import Path
 
 import torch
@@ -164,6 +165,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, update. Returns a delta for every request that produced a token or finished."""
         sched = self.scheduler.schedule()
+        if sched.is_empty and self.adapters.loading:
+            # Everything runnable waits on adapter loads: sleep until one lands instead of spinning.
+            wait([f for f, _ in self.adapters.loading.values()], timeout=0.1, return_when=FIRST_COMPLETED)
         tokens = self.runner.execute(sched, self.adapters.slot_ranks) if not sched.is_empty else {}
         self.num_steps += 1
         return self._update(sched, tokens)
