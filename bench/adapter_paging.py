@@ -1,0 +1,115 @@
+"""Adapter paging benchmark: throughput with many distinct adapters against the base model alone.
+
+Workload (S-LoRA's evaluation shape, scaled to a CPU): N requests, prompt and output lengths drawn
+uniformly with a fixed seed, every request's adapter drawn with Zipf popularity (alpha 1) over n
+adapters, all requests queued at once; the engine runs with `max_loras` slots and a host-memory cache
+of `max_cpu_loras` adapters, so adapters page disk -> CPU -> slot during the run. The same prompts and
+lengths run once with no adapter at all (the upper bound). Second table: cold-load time of one adapter
+from disk to host memory and from host memory into a slot, for ranks 8 to 64.
+
+    python bench/adapter_paging.py                     # the table committed in docs/benchmarks/
+    python bench/adapter_paging.py --quick             # a smoke run in about a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loraplex import LLM, SamplingParams  # noqa: E402
+from loraplex.adapters.synthetic import write_random_adapter  # noqa: E402
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def workload(num_requests: int, num_adapters: int, seed: int, prompt_len, output_len):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(*prompt_len))] for _ in range(num_requests)]
+    outputs = [rng.randint(*output_len) for _ in range(num_requests)]
+    weights = [1 / (i + 1) for i in range(num_adapters)]
+    names = rng.choices([f"a{i}" for i in range(num_adapters)], weights=weights, k=num_requests)
+    return prompts, outputs, names
+
+
+def run(llm: LLM, prompts, outputs, names) -> tuple[float, int]:
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in outputs]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, adapters=names)
+    seconds = time.perf_counter() - start
+    return seconds, sum(len(o.token_ids) for o in outs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--adapters", default="1,16,256,1024", help="distinct adapter counts to sweep")
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--max-loras", type=int, default=8)
+    ap.add_argument("--max-cpu-loras", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    counts = [int(c) for c in args.adapters.split(",")]
+    prompt_len, output_len = (8, 64), (8, 64)
+    if args.quick:
+        args.num_requests, counts, prompt_len, output_len = 32, [1, 16], (4, 16), (4, 8)
+
+    llm = LLM(args.model, dtype=args.dtype, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
+              max_lora_rank=64, max_num_seqs=args.max_num_seqs)
+    cfg = llm.engine.model_config
+    tmp = Path(tempfile.mkdtemp(prefix="loraplex-paging-"))
+    for i in range(max(counts)):
+        write_random_adapter(tmp / f"a{i}", cfg, r=args.rank, alpha=2 * args.rank, targets=ALL, seed=i)
+        llm.load_adapter(f"a{i}", tmp / f"a{i}")
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"# adapter paging, {args.num_requests} requests, rank {args.rank} on all 7 projections, "
+          f"max_loras {args.max_loras}, max_cpu_loras {args.max_cpu_loras}, dtype {llm.engine.dtype}, "
+          f"commit {commit}\n")
+    print("| distinct adapters | output tok/s | base-only tok/s | ratio | slot hit rate | disk loads |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for n in counts:
+        prompts, outputs, names = workload(args.num_requests, n, args.seed, prompt_len, output_len)
+        base_s, base_tokens = run(llm, prompts, outputs, [None] * len(prompts))
+        before = llm.adapter_stats()["tiers"]
+        lora_s, lora_tokens = run(llm, prompts, outputs, names)
+        after = llm.adapter_stats()["tiers"]
+        hits = after["gpu"]["hits"] - before["gpu"]["hits"]
+        misses = after["gpu"]["misses"] - before["gpu"]["misses"]
+        loads = after["cpu"]["misses"] - before["cpu"]["misses"]
+        lora_tps, base_tps = lora_tokens / lora_s, base_tokens / base_s
+        print(f"| {n} | {lora_tps:.0f} | {base_tps:.0f} | {lora_tps / base_tps:.2f} | "
+              f"{hits / max(1, hits + misses):.2f} | {loads} |")
+
+    print("\n| rank | disk -> CPU (ms) | CPU -> slot (ms) |")
+    print("| ---: | ---: | ---: |")
+    mgr = llm.engine.adapters
+    for r in (8, 16, 32, 64):
+        write_random_adapter(tmp / f"cold{r}", cfg, r=r, alpha=r, targets=ALL, seed=r)
+        llm.load_adapter(f"cold{r}", tmp / f"cold{r}")
+        t0 = time.perf_counter()
+        adapter, _ = mgr._read(f"cold{r}", tmp / f"cold{r}")
+        disk = time.perf_counter() - t0
+        mgr.cpu[f"cold{r}"] = adapter
+        free = mgr.free_slots[0] if mgr.free_slots else None
+        if free is None:
+            mgr._evict_slot(mgr._evictable())
+        t0 = time.perf_counter()
+        mgr._copy_in(f"cold{r}", mgr.free_slots.pop(0))
+        slot = time.perf_counter() - t0
+        print(f"| {r} | {disk * 1e3:.1f} | {slot * 1e3:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
