@@ -71,9 +71,11 @@ def _packed_columns(meta: LoRAMeta, device: torch.device):
             s_idx += [slot] * r
             r_idx += list(range(r))
         s_t = torch.tensor(s_idx, dtype=torch.int64, device=device)  # [N]
-        rows = meta.row_order.to(device)  # [T_a] rows with an adapter
-        # mask[i, n]: column n belongs to the slot of row rows[i].
-        mask = meta.slot_ids.to(device=device, dtype=torch.int64)[rows][:, None] == s_t[None, :]  # [T_a, N]
+        # rows: [T_a] rows with an adapter, or None when every row has one (then in their own order).
+        rows = meta.row_order.to(device) if meta.row_order.numel() < meta.num_tokens else None
+        slot_ids = meta.slot_ids.to(device=device, dtype=torch.int64)
+        # mask[i, n]: column n belongs to the slot of row i (of rows[i] when rows is given).
+        mask = (slot_ids if rows is None else slot_ids[rows])[:, None] == s_t[None, :]  # [T_a, N]
         meta._packed = {"s": s_t, "r": torch.tensor(r_idx, dtype=torch.int64, device=device), "mask": mask,
                         "rows": rows}
     return meta._packed
@@ -92,11 +94,15 @@ def add_lora_packed(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
     """
     cols = _packed_columns(meta, x.device)
     s_idx, r_idx, mask, rows = cols["s"], cols["r"], cols["mask"], cols["rows"]
-    xs = x.index_select(0, rows)  # [T_a, H_in]
+    xs = x if rows is None else x.index_select(0, rows)  # [T_a, H_in]; every row when rows is None
     for w, off in zip(slices, offsets, strict=True):
         a = w.A[s_idx, r_idx]  # [N, H_in]
         b = w.B[s_idx, :, r_idx]  # [N, H_out]
         v = xs @ a.T  # [T_a, N]
         v = torch.where(mask, v * w.scales.to(v.dtype)[s_idx], torch.zeros((), dtype=v.dtype))
-        y[:, off:off + b.shape[1]].index_add_(0, rows, (v @ b).to(y.dtype))
+        delta = (v @ b).to(y.dtype)  # [T_a, H_out]
+        if rows is None:
+            y[:, off:off + b.shape[1]] += delta
+        else:
+            y[:, off:off + b.shape[1]].index_add_(0, rows, delta)
     return y
