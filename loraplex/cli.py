@@ -1,4 +1,4 @@
-"""`loraplex` command line: `loraplex generate ...` (more subcommands come with the gateway)."""
+"""`loraplex` command line: `loraplex generate ...` (one prompt) and `loraplex serve` (the gateway)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,13 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from loraplex.platform.serve import serve
+
+    serve(host=args.host, port=args.port, model=args.model, log_level=args.log_level)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="loraplex", description="Multi-tenant LoRA serving on one base model.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,9 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, without chat template")
     gen.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
+    srv = sub.add_parser("serve", help="run the multi-tenant OpenAI-compatible gateway (settings: LORAPLEX_*)")
+    srv.add_argument("--host", help="default LORAPLEX_HOST or 127.0.0.1")
+    srv.add_argument("--port", type=int, help="default LORAPLEX_PORT or 8000")
+    srv.add_argument("--model", help="default LORAPLEX_MODEL or smollm2-135m-instruct")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     args = parser.parse_args(argv)
     try:
-        return _generate(args)
+        return _serve(args) if args.command == "serve" else _generate(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,161 @@
+"""/admin: tenants, keys, quotas, adapters, usage and engine state. Admin keys only.
+
+Lists are paged (`offset`, `limit`, `total`); usage reads the daily roll-ups, never the request log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+
+from fastapi import APIRouter, Query
+from sqlalchemy.exc import IntegrityError
+
+from loraplex.platform import crud, tenant_adapters
+from loraplex.platform.admin_schemas import (
+    KeyIn,
+    QuotaIn,
+    TenantIn,
+    TenantPatch,
+    key_out,
+    quota_out,
+    tenant_out,
+    usage_out,
+)
+from loraplex.platform.api.deps import AdminKey, GatewayDep, SessionDep
+from loraplex.platform.errors import conflict, not_found
+from loraplex.platform.models import ApiKey, Tenant, utcnow
+
+router = APIRouter(prefix="/admin", tags=["admin"])
+Offset = Query(0, ge=0)
+Limit = Query(100, ge=1, le=1000)
+
+
+def _tenant(session, tenant_id: int) -> Tenant:
+    tenant = session.get(Tenant, tenant_id)
+    if tenant is None:
+        raise not_found(f"Tenant {tenant_id} does not exist.", param="tenant_id")
+    return tenant
+
+
+# tenants ----------------------------------------------------------------------------------------
+@router.post("/tenants", status_code=201)
+def create_tenant(body: TenantIn, gw: GatewayDep, session: SessionDep, _: AdminKey) -> dict:
+    quota = body.quota.model_dump(exclude_unset=True) if body.quota else None
+    try:
+        tenant = crud.create_tenant(session, body.name, gw.quota_defaults, quota)
+        session.commit()
+    except IntegrityError:
+        raise conflict(f"A tenant named `{body.name}` exists.", param="name") from None
+    return tenant_out(tenant)
+
+
+@router.get("/tenants")
+def list_tenants(session: SessionDep, _: AdminKey, offset: int = Offset, limit: int = Limit) -> dict:
+    tenants, total = crud.list_tenants(session, offset, limit)
+    return {"object": "list", "data": [tenant_out(t) for t in tenants], "total": total}
+
+
+@router.get("/tenants/{tenant_id}")
+def get_tenant(tenant_id: int, session: SessionDep, _: AdminKey) -> dict:
+    return tenant_out(_tenant(session, tenant_id))
+
+
+@router.patch("/tenants/{tenant_id}")
+def update_tenant(tenant_id: int, body: TenantPatch, session: SessionDep, _: AdminKey) -> dict:
+    tenant = _tenant(session, tenant_id)
+    tenant.name = body.name
+    try:
+        session.commit()
+    except IntegrityError:
+        raise conflict(f"A tenant named `{body.name}` exists.", param="name") from None
+    return tenant_out(tenant)
+
+
+@router.delete("/tenants/{tenant_id}")
+async def delete_tenant(tenant_id: int, gw: GatewayDep, _: AdminKey) -> dict:
+    """Revokes its keys at once (they are deleted), unloads its adapters, keeps its usage history."""
+
+    def names() -> list[str]:
+        with gw.sessions() as s:
+            return [a.name for a in crud.list_adapters(s, _tenant(s, tenant_id).id)]
+
+    for name in await asyncio.to_thread(names):
+        await tenant_adapters.delete_adapter(gw, tenant_id, name)
+
+    def delete() -> None:
+        with gw.sessions.begin() as s:
+            s.delete(_tenant(s, tenant_id))
+
+    await asyncio.to_thread(delete)
+    return {"id": tenant_id, "object": "tenant", "deleted": True}
+
+
+# quotas -----------------------------------------------------------------------------------------
+@router.get("/tenants/{tenant_id}/quota")
+def get_quota(tenant_id: int, session: SessionDep, _: AdminKey) -> dict:
+    return quota_out(_tenant(session, tenant_id).quota)
+
+
+@router.patch("/tenants/{tenant_id}/quota")
+def set_quota(tenant_id: int, body: QuotaIn, session: SessionDep, _: AdminKey) -> dict:
+    """Set the given quota fields (null: unlimited); effective for the tenant's next request."""
+    quota = crud.update_quota(session, _tenant(session, tenant_id), body.model_dump(exclude_unset=True))
+    session.commit()
+    return quota_out(quota)
+
+
+# keys -------------------------------------------------------------------------------------------
+@router.post("/tenants/{tenant_id}/keys", status_code=201)
+def issue_key(tenant_id: int, body: KeyIn, session: SessionDep, _: AdminKey) -> dict:
+    """The key is in this response only; the server keeps its hash."""
+    row, key = crud.issue_key(session, _tenant(session, tenant_id), body.name, body.expiry(utcnow()))
+    session.commit()
+    return {**key_out(row), "key": key}
+
+
+@router.get("/tenants/{tenant_id}/keys")
+def list_keys(tenant_id: int, session: SessionDep, _: AdminKey) -> dict:
+    _tenant(session, tenant_id)
+    return {"object": "list", "data": [key_out(k) for k in crud.list_keys(session, tenant_id)]}
+
+
+@router.delete("/keys/{key_id}")
+def revoke_key(key_id: int, session: SessionDep, _: AdminKey) -> dict:
+    row = session.get(ApiKey, key_id)
+    if row is None:
+        raise not_found(f"Key {key_id} does not exist.", param="key_id")
+    crud.revoke_key(session, row)
+    session.commit()
+    return key_out(row)
+
+
+# adapters ---------------------------------------------------------------------------------------
+@router.get("/tenants/{tenant_id}/adapters")
+def list_adapters(tenant_id: int, gw: GatewayDep, session: SessionDep, _: AdminKey) -> dict:
+    rows = crud.list_adapters(session, _tenant(session, tenant_id).id)
+    return {"object": "list", "data": [tenant_adapters.adapter_body(gw, r) for r in rows]}
+
+
+@router.delete("/tenants/{tenant_id}/adapters/{name}")
+async def delete_adapter(tenant_id: int, name: str, gw: GatewayDep, _: AdminKey) -> dict:
+    await tenant_adapters.delete_adapter(gw, tenant_id, name)
+    return {"id": name, "object": "adapter", "deleted": True}
+
+
+# usage and engine -------------------------------------------------------------------------------
+@router.get("/usage")
+def usage(session: SessionDep, _: AdminKey, tenant_id: int | None = None, adapter: str | None = None,
+          start: dt.date | None = None, end: dt.date | None = None, offset: int = Offset,
+          limit: int = Limit) -> dict:
+    """Requests and tokens per tenant, adapter ("" or null: the base model) and UTC day, newest first."""
+    adapter_key = None if adapter is None else ("" if adapter in ("", "base") else adapter)
+    rows, total = crud.usage_rows(session, tenant_id=tenant_id, adapter=adapter_key, start=start, end=end,
+                                  offset=offset, limit=limit)
+    return {"object": "list", "data": [usage_out(r) for r in rows], "total": total}
+
+
+@router.get("/engine")
+async def engine(gw: GatewayDep, _: AdminKey) -> dict:
+    stats = await gw.engine.stats()
+    return {"model": gw.engine.model_id, "quota_store": "degraded" if gw.quotas.degraded else "ok", **stats}

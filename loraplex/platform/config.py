@@ -1,0 +1,98 @@
+"""Gateway settings, read from `LORAPLEX_*` environment variables (pydantic-settings).
+
+Defaults serve the default model on 127.0.0.1:8000 with a SQLite file under `$LORAPLEX_HOME` and
+in-process quota counters. Outside `environment="development"` a configured admin key must be a real
+one (`lpx-` and at least 32 random bytes), never a placeholder copied from an example.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from loraplex.engine.loader import DEFAULT_MODEL, loraplex_home
+
+PLACEHOLDER_SECRETS = {"changethis", "changeme", "secret", "admin", "lpx-changethis", "lpx-admin"}
+
+
+class QuotaDefaults(BaseSettings):
+    """Quotas a new tenant starts with; None means unlimited. Admins change them per tenant."""
+
+    model_config = SettingsConfigDict(env_prefix="LORAPLEX_DEFAULT_", extra="ignore")
+
+    rpm: int | None = Field(60, ge=0)
+    tpm: int | None = Field(100_000, ge=0)
+    max_concurrent_requests: int | None = Field(8, ge=0)
+    token_budget: int | None = Field(None, ge=0)
+    budget_period: Literal["day", "week", "month"] = "month"
+    max_adapters: int | None = Field(10, ge=0)
+    max_adapter_bytes: int | None = Field(1 << 30, ge=0)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LORAPLEX_", extra="ignore", hide_input_in_errors=True)
+
+    environment: Literal["development", "production"] = "production"
+    home: Path = Field(default_factory=loraplex_home)
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    # the engine
+    model: str = DEFAULT_MODEL
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    kv_cache_memory: int | None = None
+
+    # storage
+    database_url: str | None = None  # default: sqlite:///$LORAPLEX_HOME/loraplex.db
+    redis_url: str | None = None  # unset: in-process quota counters (one gateway process)
+    redis_timeout_s: float = 0.5
+    quota_fail_mode: Literal["open", "closed"] = "open"  # Redis unreachable: local limits, or 503
+    concurrency_lease_s: float = 600.0  # a crashed process's concurrency slots expire after this
+
+    admin_key: SecretStr | None = None
+    max_upload_bytes: int = Field(512 << 20, gt=0)
+    default_max_tokens: int = Field(256, ge=1)
+
+    @model_validator(mode="after")
+    def _refuse_placeholder_admin_key(self) -> Settings:
+        key = self.admin_key.get_secret_value() if self.admin_key is not None else None
+        if key is None or self.environment == "development":
+            return self
+        from loraplex.platform.security import is_well_formed_key
+
+        if key.lower() in PLACEHOLDER_SECRETS or not is_well_formed_key(key):
+            raise ValueError(
+                "LORAPLEX_ADMIN_KEY must be a generated key (lpx- followed by at least 32 random bytes, "
+                "e.g. from `python -c 'from loraplex.platform.security import new_key; print(new_key())'`), "
+                "or unset to have one generated on first start; placeholders are accepted only with "
+                "LORAPLEX_ENVIRONMENT=development"
+            )
+        return self
+
+    @property
+    def model_id(self) -> str:
+        """The base model's id in the OpenAI API."""
+        return self.served_model_name or Path(self.model).name
+
+    @property
+    def sqlalchemy_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.home / 'loraplex.db'}"
+
+    @property
+    def adapters_dir(self) -> Path:
+        return self.home / "adapters"
+
+    def engine_kwargs(self) -> dict:
+        kwargs = dict(dtype=self.dtype, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                      max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
+        if self.kv_cache_memory is not None:
+            kwargs["kv_cache_memory"] = self.kv_cache_memory
+        return kwargs

@@ -1,0 +1,91 @@
+"""The gateway's long-lived parts, built once per app in its lifespan: database, engine, quota counters,
+usage writer, metrics and adapter files. Routes reach them through `api/deps.py`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from loraplex.platform import crud, db
+from loraplex.platform.adapter_files import AdapterFiles
+from loraplex.platform.config import QuotaDefaults, Settings
+from loraplex.platform.engine import EngineService
+from loraplex.platform.metrics import Metrics
+from loraplex.platform.quotas.memory import MemoryBackend
+from loraplex.platform.quotas.service import QuotaService
+from loraplex.platform.usage import UsageWriter, tokens_since
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Gateway:
+    settings: Settings
+    quota_defaults: QuotaDefaults
+    db: Engine
+    sessions: sessionmaker[Session]
+    engine: EngineService
+    quotas: QuotaService
+    usage: UsageWriter
+    metrics: Metrics
+    files: AdapterFiles
+    owns_engine: bool = True
+    started_at: int = field(default_factory=lambda: int(time.time()))
+    background: set[asyncio.Task] = field(default_factory=set)
+
+    def spawn(self, coro) -> asyncio.Task:
+        """Run `coro` detached from the request (it survives a client that disconnects)."""
+        task = asyncio.create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return task
+
+    async def close(self) -> None:
+        if self.background:
+            await asyncio.wait(list(self.background), timeout=30)
+        await asyncio.to_thread(self.usage.close)
+        await self.quotas.close()
+        if self.owns_engine:
+            self.engine.shutdown()
+        self.db.dispose()
+
+
+def load_engine(settings: Settings) -> EngineService:
+    from loraplex.engine.async_llm import AsyncLLM
+
+    return EngineService(AsyncLLM(settings.model, **settings.engine_kwargs()), settings.model_id)
+
+
+def open_gateway(settings: Settings, engine: EngineService | None = None, *, migrate: bool = True) -> Gateway:
+    """Apply migrations, make sure an admin key exists (printing a new one once), start the engine
+    (unless one is passed in, which the caller keeps owning) and the usage writer."""
+    settings.home.mkdir(parents=True, exist_ok=True)
+    url = settings.sqlalchemy_url
+    if migrate:
+        db.upgrade(url)
+    db_engine = db.make_engine(url)
+    sessions = db.make_session_factory(db_engine)
+    with sessions() as s:
+        admin = settings.admin_key.get_secret_value() if settings.admin_key else None
+        new_key = crud.ensure_admin_key(s, admin)
+    if new_key is not None:
+        print(f"\nloraplex: created the admin key (shown once, store it now):\n\n    {new_key}\n", flush=True)
+    if settings.redis_url:
+        from loraplex.platform.quotas.redis_backend import RedisBackend
+
+        backend = RedisBackend(settings.redis_url, settings.redis_timeout_s)
+    else:
+        backend = MemoryBackend()
+    quotas = QuotaService(backend, fail_mode=settings.quota_fail_mode, lease_s=settings.concurrency_lease_s,
+                          budget_seed=lambda tenant_id, start: tokens_since(sessions, tenant_id, start))
+    owns_engine = engine is None
+    if engine is None:
+        engine = load_engine(settings)
+    return Gateway(settings=settings, quota_defaults=QuotaDefaults(), db=db_engine, sessions=sessions,
+                   engine=engine, quotas=quotas, usage=UsageWriter(sessions), metrics=Metrics(),
+                   files=AdapterFiles(settings.adapters_dir), owns_engine=owns_engine)

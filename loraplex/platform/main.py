@@ -1,0 +1,37 @@
+"""`create_app`: assembles the FastAPI app (routers, error handlers, lifespan). Nothing else lives here."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, FastAPI
+
+from loraplex.platform.api.routes import adapters, admin, chat, completions, health, models
+from loraplex.platform.config import Settings
+from loraplex.platform.engine import EngineService
+from loraplex.platform.errors import install_error_handlers
+from loraplex.platform.gateway import open_gateway
+
+
+def create_app(settings: Settings | None = None, engine: EngineService | None = None) -> FastAPI:
+    """The gateway app. `engine`: an already loaded engine to share (tests); the app then leaves it running."""
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.gateway = open_gateway(settings, engine)
+        try:
+            yield
+        finally:
+            await app.state.gateway.close()
+
+    app = FastAPI(title="loraplex", summary="Multi-tenant LoRA serving with an OpenAI-compatible API",
+                  lifespan=lifespan, strict_content_type=False)
+    install_error_handlers(app)
+    v1 = APIRouter(prefix="/v1")
+    for module in (models, chat, completions, adapters):
+        v1.include_router(module.router)
+    app.include_router(v1)
+    app.include_router(admin.router)
+    app.include_router(health.router)
+    return app

@@ -1,0 +1,1 @@
+"""Per-tenant quotas: one atomic admission check, Redis-backed or in-process (see limits.py)."""

@@ -1,0 +1,111 @@
+"""In-process quota counters: the semantics of `limits.py` for one gateway process.
+
+Also the fail-open fallback of the Redis backend. `admit` and `settle` never await, so on one event
+loop each runs whole; the lock covers callers on other threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from loraplex.platform.quotas.limits import (
+    BUDGET,
+    CONCURRENCY,
+    NEED_SEED,
+    REQUESTS,
+    TOKENS,
+    TOO_LARGE,
+    WINDOW_MS,
+    Decision,
+    Limits,
+    gcra_remaining,
+)
+
+
+class MemoryBackend:
+    def __init__(self, clock=time.time):
+        self._clock = clock  # seconds
+        self._lock = threading.Lock()
+        self._tat: dict[str, float] = {}
+        self._leases: dict[str, dict[str, float]] = {}
+        self._budget: dict[str, tuple[int, float]] = {}  # key -> (used, expires_at_ms)
+
+    def now_ms(self) -> float:
+        return self._clock() * 1000.0
+
+    async def admit(self, keys: list[str], limits: Limits, cost: int, request_id: str, *, lease_ms: float,
+                    budget_ttl_ms: float, budget_seed: int | None = None) -> Decision:
+        rq, tk, cc, bg = keys
+        with self._lock:
+            now = self.now_ms()
+            d = Decision(allowed=True)
+            used = None
+            if limits.token_budget is not None:
+                entry = self._budget.get(bg)
+                if entry is not None and entry[1] <= now:
+                    entry = None
+                if entry is None and budget_seed is None:
+                    return Decision(False, NEED_SEED)
+                used = d.budget_used = entry[0] if entry is not None else budget_seed
+            leases = self._leases.setdefault(cc, {})
+            for rid in [r for r, exp in leases.items() if exp <= now]:
+                del leases[rid]
+            rq_fits, new_rq, rq_retry = self._gcra(d, rq, limits.rpm, 1, now, "requests")
+            tk_fits, new_tk, tk_retry = self._gcra(d, tk, limits.tpm, cost, now, "tokens")
+            refusals = [
+                (used is not None and used + cost > limits.token_budget, BUDGET, 0.0),
+                (limits.tpm is not None and cost > limits.tpm, TOO_LARGE, 0.0),
+                (limits.max_concurrent_requests is not None and len(leases) >= limits.max_concurrent_requests,
+                 CONCURRENCY, 1000.0),
+                (not rq_fits, REQUESTS, rq_retry),
+                (not tk_fits, TOKENS, tk_retry),
+            ]
+            for refused, reason, retry_ms in refusals:
+                if refused:
+                    d.allowed, d.reason, d.retry_after_ms = False, reason, retry_ms
+                    return d
+            if limits.max_concurrent_requests is not None:
+                leases[request_id] = now + lease_ms
+            if new_rq is not None:
+                self._tat[rq] = new_rq
+            if new_tk is not None:
+                self._tat[tk] = new_tk
+            if used is not None:
+                self._budget[bg] = (used + cost, now + budget_ttl_ms)
+                d.budget_used = used + cost
+            return d
+
+    def _gcra(self, d: Decision, key: str, limit: int | None, cost: int, now: float,
+              what: str) -> tuple[bool, float | None, float]:
+        """(fits, TAT to store if admitted, ms until it would fit); fills d's remaining_/reset_ `what`."""
+        if limit is None:
+            return True, None, 0.0
+        interval = WINDOW_MS / max(limit, 1)
+        tat = max(self._tat.get(key, now), now)
+        new_tat = tat + cost * interval
+        fits = limit > 0 and new_tat - now <= WINDOW_MS + 1e-6
+        after = new_tat if fits else tat
+        setattr(d, f"remaining_{what}", gcra_remaining(after, now, limit) if limit else 0)
+        setattr(d, f"reset_{what}_ms", after - now)
+        return fits, new_tat, new_tat - WINDOW_MS - now
+
+    async def settle(self, keys: list[str], limits: Limits, request_id: str, refund: int) -> None:
+        """Release the request's concurrency slot and give back `refund` unused tokens."""
+        _, tk, cc, bg = keys
+        with self._lock:
+            now = self.now_ms()
+            self._leases.get(cc, {}).pop(request_id, None)
+            if refund <= 0:
+                return
+            if limits.tpm and tk in self._tat:
+                self._tat[tk] = max(self._tat[tk] - refund * WINDOW_MS / limits.tpm, now)
+            if bg in self._budget:
+                used, expires = self._budget[bg]
+                self._budget[bg] = (max(0, used - refund), expires)
+
+    async def ping(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        pass

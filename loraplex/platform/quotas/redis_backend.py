@@ -1,0 +1,132 @@
+"""Quota counters in Redis, shared exactly by every gateway process: the semantics of `limits.py`,
+run atomically by Lua scripts on Redis's own clock (TIME), so process clocks never matter.
+
+Numbers cross the Lua boundary as strings: Redis truncates Lua numbers to integers.
+"""
+
+from __future__ import annotations
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from loraplex.platform.quotas.limits import Decision, Limits
+
+UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+
+# KEYS: rq tk cc bg. ARGV: rpm tpm max_cc budget (-1: unlimited) cost request_id lease_ms budget_ttl_ms seed (-1: none)
+ADMIT_LUA = """
+local rq, tk, cc, bg = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local rpm, tpm, max_cc, budget = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local cost, rid, lease_ms = tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
+local budget_ttl_ms, seed = tonumber(ARGV[8]), tonumber(ARGV[9])
+local WINDOW = 60000.0
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+
+local used = -1
+if budget >= 0 then
+  local v = redis.call('GET', bg)
+  if v then used = tonumber(v) elseif seed >= 0 then used = seed
+  else return {'0', 'need_seed', '0', '-1', '0', '-1', '0', '-1'} end
+end
+redis.call('ZREMRANGEBYSCORE', cc, '-inf', now)
+local num_cc = redis.call('ZCARD', cc)
+
+-- fits, TAT to store, ms until it fits, remaining, ms until full
+local function gcra(key, limit, c)
+  if limit < 0 then return true, nil, 0, -1, 0 end
+  local interval = WINDOW / math.max(limit, 1)
+  local tat = tonumber(redis.call('GET', key) or now)
+  if tat < now then tat = now end
+  local new_tat = tat + c * interval
+  local fits = limit > 0 and (new_tat - now) <= WINDOW + 1e-6
+  local after = tat
+  if fits then after = new_tat end
+  local remaining = 0
+  if limit > 0 then remaining = math.max(0, math.floor((WINDOW - (after - now)) / interval + 1e-9)) end
+  return fits, new_tat, new_tat - WINDOW - now, remaining, after - now
+end
+local rq_fits, new_rq, rq_retry, rq_rem, rq_reset = gcra(rq, rpm, 1)
+local tk_fits, new_tk, tk_retry, tk_rem, tk_reset = gcra(tk, tpm, cost)
+
+local reason, retry = '', 0
+if used >= 0 and used + cost > budget then reason = 'budget'
+elseif tpm >= 0 and cost > tpm then reason = 'too_large'
+elseif max_cc >= 0 and num_cc >= max_cc then reason, retry = 'concurrency', 1000
+elseif not rq_fits then reason, retry = 'requests', rq_retry
+elseif not tk_fits then reason, retry = 'tokens', tk_retry end
+if reason == '' then
+  if max_cc >= 0 then
+    redis.call('ZADD', cc, now + lease_ms, rid)
+    redis.call('PEXPIRE', cc, math.ceil(lease_ms))
+  end
+  if rpm >= 0 then redis.call('SET', rq, string.format('%.3f', new_rq), 'PX', math.ceil(new_rq - now) + 1) end
+  if tpm >= 0 then redis.call('SET', tk, string.format('%.3f', new_tk), 'PX', math.ceil(new_tk - now) + 1) end
+  if used >= 0 then
+    used = used + cost
+    redis.call('SET', bg, string.format('%d', used), 'PX', math.ceil(budget_ttl_ms))
+  end
+end
+local allowed = '0'
+if reason == '' then allowed = '1' end
+return {allowed, reason, tostring(retry), tostring(rq_rem), tostring(rq_reset), tostring(tk_rem),
+        tostring(tk_reset), string.format('%d', used)}
+"""
+
+# KEYS: tk cc bg. ARGV: tpm (-1: unlimited) request_id refund
+SETTLE_LUA = """
+local tk, cc, bg = KEYS[1], KEYS[2], KEYS[3]
+local tpm, rid, refund = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+redis.call('ZREM', cc, rid)
+if refund <= 0 then return 1 end
+if tpm > 0 then
+  local v = redis.call('GET', tk)
+  if v then
+    local tat = math.max(tonumber(v) - refund * 60000.0 / tpm, now)
+    local ttl = math.ceil(tat - now)
+    if ttl > 0 then redis.call('SET', tk, string.format('%.3f', tat), 'PX', ttl) else redis.call('DEL', tk) end
+  end
+end
+local u = redis.call('GET', bg)
+if u then redis.call('SET', bg, string.format('%d', math.max(0, tonumber(u) - refund)), 'KEEPTTL') end
+return 1
+"""
+
+
+def _arg(limit: int | None) -> int:
+    return -1 if limit is None else limit
+
+
+class RedisBackend:
+    def __init__(self, url: str, timeout_s: float = 0.5):
+        self.client = Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                     retry=Retry(NoBackoff(), 1), decode_responses=True)
+        self._admit = self.client.register_script(ADMIT_LUA)
+        self._settle = self.client.register_script(SETTLE_LUA)
+
+    async def admit(self, keys: list[str], limits: Limits, cost: int, request_id: str, *, lease_ms: float,
+                    budget_ttl_ms: float, budget_seed: int | None = None) -> Decision:
+        args = [_arg(limits.rpm), _arg(limits.tpm), _arg(limits.max_concurrent_requests),
+                _arg(limits.token_budget), cost, request_id, lease_ms, budget_ttl_ms, _arg(budget_seed)]
+        allowed, reason, retry, rq_rem, rq_reset, tk_rem, tk_reset, used = await self._admit(keys=keys, args=args)
+        return Decision(
+            allowed=allowed == "1", reason=reason or None, retry_after_ms=float(retry),
+            remaining_requests=None if limits.rpm is None else int(rq_rem), reset_requests_ms=float(rq_reset),
+            remaining_tokens=None if limits.tpm is None else int(tk_rem), reset_tokens_ms=float(tk_reset),
+            budget_used=None if limits.token_budget is None else int(used),
+        )
+
+    async def settle(self, keys: list[str], limits: Limits, request_id: str, refund: int) -> None:
+        _, tk, cc, bg = keys
+        await self._settle(keys=[tk, cc, bg], args=[_arg(limits.tpm), request_id, max(0, refund)])
+
+    async def ping(self) -> bool:
+        return bool(await self.client.ping())
+
+    async def close(self) -> None:
+        await self.client.aclose()

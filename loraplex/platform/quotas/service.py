@@ -1,0 +1,152 @@
+"""Admission: one atomic check of every per-tenant limit, turned into OpenAI's 429s and headers.
+
+`admit` reserves prompt tokens + max_tokens; `settle` gives back what the request did not use and frees
+its concurrency slot. With Redis unreachable, `fail_mode` "open" falls back to this process's own
+counters (a local limit) and "closed" refuses with 503; a tenant with a token budget is refused either
+way (budgets fail closed: a local counter cannot know what other processes spent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from loraplex.platform.errors import APIError, insufficient_quota, unavailable
+from loraplex.platform.models import utcnow
+from loraplex.platform.quotas.limits import (
+    BUDGET,
+    CONCURRENCY,
+    NEED_SEED,
+    REQUESTS,
+    TOO_LARGE,
+    Decision,
+    Limits,
+    budget_period,
+    format_duration,
+    keys,
+)
+from loraplex.platform.quotas.memory import MemoryBackend
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Ticket:
+    """An admitted request's reservation; hand it back to `settle` exactly once."""
+
+    tenant_id: int
+    limits: Limits
+    request_id: str
+    cost: int
+    keys: list[str]
+    backend: object
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def rate_limit_headers(limits: Limits, d: Decision) -> dict[str, str]:
+    headers = {}
+    for what, limit in (("requests", limits.rpm), ("tokens", limits.tpm)):
+        if limit is None:
+            continue
+        headers[f"x-ratelimit-limit-{what}"] = str(limit)
+        headers[f"x-ratelimit-remaining-{what}"] = str(getattr(d, f"remaining_{what}"))
+        headers[f"x-ratelimit-reset-{what}"] = format_duration(getattr(d, f"reset_{what}_ms"))
+    return headers
+
+
+class QuotaService:
+    def __init__(self, backend, *, fail_mode: str = "open", lease_s: float = 600.0,
+                 budget_seed: Callable[[int, object], int] | None = None):
+        """backend: a RedisBackend or MemoryBackend. budget_seed(tenant_id, period_start_date) -> tokens
+        used so far in the period according to the database (blocking; run in a thread)."""
+        self.backend = backend
+        self.local = backend if isinstance(backend, MemoryBackend) else MemoryBackend()
+        self.fail_mode = fail_mode
+        self.lease_ms = lease_s * 1000.0
+        self.budget_seed = budget_seed or (lambda tenant_id, start: 0)
+        self.degraded = False  # True while Redis is unreachable
+
+    async def admit(self, tenant_id: int, limits: Limits, cost: int, request_id: str) -> Ticket:
+        """Reserve `cost` tokens for `request_id`, or raise the APIError to send."""
+        now = utcnow()
+        period = budget_period(limits.budget_period, now)
+        ks = keys(tenant_id, period)
+        ttl_ms = ((period.end - now).total_seconds() + 86400) * 1000.0
+        backend = self.backend
+        try:
+            d = await backend.admit(ks, limits, cost, request_id, lease_ms=self.lease_ms, budget_ttl_ms=ttl_ms)
+            if d.reason == NEED_SEED:
+                seed = await asyncio.to_thread(self.budget_seed, tenant_id, period.start)
+                d = await backend.admit(ks, limits, cost, request_id, lease_ms=self.lease_ms,
+                                        budget_ttl_ms=ttl_ms, budget_seed=seed)
+            self._set_degraded(False)
+        except Exception as exc:
+            if backend is self.local or not _unreachable(exc):
+                raise
+            self._set_degraded(True, exc)
+            if self.fail_mode == "closed":
+                raise unavailable("The quota store is unreachable; try again shortly.",
+                                  code="quota_store_unavailable") from None
+            if limits.token_budget is not None:
+                raise unavailable("The quota store is unreachable and this tenant has a token budget, "
+                                  "which cannot be checked locally; try again shortly.",
+                                  code="quota_store_unavailable") from None
+            backend = self.local
+            d = await backend.admit(ks, limits, cost, request_id, lease_ms=self.lease_ms, budget_ttl_ms=ttl_ms)
+        if not d.allowed:
+            raise self._refusal(limits, cost, d, period)
+        return Ticket(tenant_id, limits, request_id, cost, ks, backend, rate_limit_headers(limits, d))
+
+    async def settle(self, ticket: Ticket, num_tokens_used: int) -> None:
+        """Free the concurrency slot and refund the unused reservation. Never raises."""
+        refund = max(0, ticket.cost - num_tokens_used)
+        try:
+            await ticket.backend.settle(ticket.keys, ticket.limits, ticket.request_id, refund)
+        except Exception as exc:  # a lost refund only under-admits until the lease / bucket catches up
+            logger.warning("could not settle quota of request %s: %s", ticket.request_id, exc)
+
+    def _refusal(self, limits: Limits, cost: int, d: Decision, period) -> APIError:
+        headers = rate_limit_headers(limits, d)
+        if d.reason == BUDGET:
+            return insufficient_quota(
+                f"You exceeded your token budget: {d.budget_used} of {limits.token_budget} tokens used this "
+                f"{limits.budget_period} (resets {period.end.isoformat()}Z); this request reserves up to {cost} "
+                "tokens (prompt + max_tokens).")
+        if d.reason == TOO_LARGE:
+            return APIError(429, f"Request too large for tokens per min (TPM): Limit {limits.tpm}, Requested "
+                            f"{cost} (prompt + max_tokens). Reduce the prompt or max_tokens.",
+                            type="tokens", code="rate_limit_exceeded", headers=headers)
+        retry_ms = max(1, math.ceil(d.retry_after_ms))
+        headers["retry-after"] = str(max(1, math.ceil(retry_ms / 1000)))
+        headers["retry-after-ms"] = str(retry_ms)
+        wait = format_duration(retry_ms)
+        if d.reason == CONCURRENCY:
+            message = (f"Too many concurrent requests: Limit {limits.max_concurrent_requests}. "
+                       f"Please try again in {wait}.")
+            return APIError(429, message, type="requests", code="rate_limit_exceeded", headers=headers)
+        if d.reason == REQUESTS:
+            message = (f"Rate limit reached on requests per min (RPM): Limit {limits.rpm}, Requested 1. "
+                       f"Please try again in {wait}.")
+            return APIError(429, message, type="requests", code="rate_limit_exceeded", headers=headers)
+        message = (f"Rate limit reached on tokens per min (TPM): Limit {limits.tpm}, Remaining "
+                   f"{d.remaining_tokens}, Requested {cost}. Please try again in {wait}.")
+        return APIError(429, message, type="tokens", code="rate_limit_exceeded", headers=headers)
+
+    def _set_degraded(self, degraded: bool, exc: Exception | None = None) -> None:
+        if degraded and not self.degraded:
+            logger.error("quota store unreachable (%s); failing %s", exc, self.fail_mode)
+        elif not degraded and self.degraded:
+            logger.warning("quota store reachable again")
+        self.degraded = degraded
+
+    async def close(self) -> None:
+        await self.backend.close()
+
+
+def _unreachable(exc: Exception) -> bool:
+    from loraplex.platform.quotas.redis_backend import UNREACHABLE
+
+    return isinstance(exc, UNREACHABLE)

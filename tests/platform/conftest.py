@@ -1,0 +1,103 @@
+"""Gateway fixtures: one redis-server, one loaded engine and one live app for the whole session.
+
+Everything is real: uvicorn on a TCP port, SQLite in a temp dir, redis-server in a subprocess, the
+default model. Tests isolate themselves by making their own tenants (factories.make_tenant).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.platform import factories
+from tests.platform.servers import RedisServer, ThreadServer
+
+KV_CACHE_MEMORY = 64 << 20
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    server = RedisServer().start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="session")
+def engine_service(model_path):
+    from loraplex.engine.async_llm import AsyncLLM
+    from loraplex.platform.engine import EngineService
+
+    llm = AsyncLLM(str(model_path), dtype="float32", kv_cache_memory=KV_CACHE_MEMORY, max_loras=4,
+                   max_num_seqs=16)
+    service = EngineService(llm, factories.BASE_MODEL)
+    yield service
+    service.shutdown()
+
+
+@pytest.fixture(scope="session")
+def make_settings(tmp_path_factory):
+    """make_settings(**overrides) -> Settings with a fresh home (SQLite, adapter files) and an admin key."""
+    from loraplex.platform.config import Settings
+    from loraplex.platform.security import new_key
+
+    def make(**overrides) -> Settings:
+        values = dict(home=tmp_path_factory.mktemp("home"), model=factories.BASE_MODEL, admin_key=new_key(),
+                      redis_url=None, database_url=None, max_upload_bytes=16 << 20)
+        return Settings(**{**values, **overrides})
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def start_app(engine_service):
+    """start_app(settings) -> a running ThreadServer sharing the session's engine; stopped at the end."""
+    from loraplex.platform.main import create_app
+
+    servers = []
+
+    def start(settings) -> ThreadServer:
+        server = ThreadServer(create_app(settings, engine=engine_service)).start()
+        server.settings = settings
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def server(make_settings, start_app, redis_server):
+    """The shared app: Redis-backed quotas, fail open."""
+    return start_app(make_settings(redis_url=redis_server.url))
+
+
+@pytest.fixture(scope="session")
+def admin(server):
+    with factories.client(server.url, server.settings.admin_key.get_secret_value()) as c:
+        yield c
+
+
+@pytest.fixture
+def make_tenant(server, admin):
+    clients = []
+
+    def make(**quota) -> factories.TenantClient:
+        tenant = factories.make_tenant(admin, server.url, **quota)
+        clients.append(tenant.client)
+        return tenant
+
+    yield make
+    for c in clients:
+        c.close()
+
+
+@pytest.fixture(scope="session")
+def peft_adapters(model_path, tmp_path_factory):
+    """Two real PEFT adapters (different random weights) for the default model."""
+    return factories.make_peft_adapters(model_path, tmp_path_factory.mktemp("peft"), seeds=[1, 2])
+
+
+@pytest.fixture
+def gateway(server):
+    """The live app's Gateway (database sessions, engine, ...) for white-box checks."""
+    return server.server.config.app.state.gateway

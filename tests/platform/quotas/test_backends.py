@@ -1,0 +1,164 @@
+"""Both quota backends against one set of expectations: the same semantics in Python and in Lua."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import pytest
+
+from loraplex.platform.models import utcnow
+from loraplex.platform.quotas.limits import Limits, budget_period, format_duration, keys
+from loraplex.platform.quotas.memory import MemoryBackend
+from loraplex.platform.quotas.redis_backend import RedisBackend
+
+_tenants = itertools.count(int(time.time() * 1000) % 10**9)
+LEASE_MS = 60_000.0
+TTL_MS = 3_600_000.0
+
+
+@pytest.fixture(params=["memory", "redis"])
+def make_backend(request):
+    if request.param == "memory":
+        return MemoryBackend
+    url = request.getfixturevalue("redis_server").url
+    return lambda: RedisBackend(url)
+
+
+def run(make_backend, scenario):
+    async def main():
+        backend = make_backend()
+        try:
+            tenant_keys = keys(next(_tenants), budget_period("month", utcnow()))
+            await scenario(backend, tenant_keys)
+        finally:
+            await backend.close()
+
+    asyncio.run(main())
+
+
+async def admit(backend, ks, limits, cost=1, rid=None, seed=None, lease_ms=LEASE_MS):
+    rid = rid or f"r{time.monotonic_ns()}"
+    return await backend.admit(ks, limits, cost, rid, lease_ms=lease_ms, budget_ttl_ms=TTL_MS, budget_seed=seed)
+
+
+def test_requests_per_minute_admit_exactly_the_limit(make_backend):
+    async def scenario(b, ks):
+        limits = Limits(rpm=3)
+        results = [await admit(b, ks, limits) for _ in range(4)]
+        assert [d.allowed for d in results] == [True, True, True, False]
+        assert [d.remaining_requests for d in results[:3]] == [2, 1, 0]
+        refused = results[3]
+        assert refused.reason == "requests" and refused.remaining_requests == 0
+        assert 19_000 < refused.retry_after_ms <= 20_000  # one request's worth: 60 s / 3
+        assert 59_000 < refused.reset_requests_ms <= 60_000
+
+    run(make_backend, scenario)
+
+
+def test_tokens_reserved_then_refunded(make_backend):
+    async def scenario(b, ks):
+        limits = Limits(tpm=100)
+        first = await admit(b, ks, limits, cost=60, rid="a")
+        assert first.allowed and first.remaining_tokens == 40
+        second = await admit(b, ks, limits, cost=60)
+        assert not second.allowed and second.reason == "tokens" and second.remaining_tokens == 40
+        assert 11_500 < second.retry_after_ms <= 12_000  # 20 tokens at 600 ms each
+        await b.settle(ks, limits, "a", refund=50)  # "a" used 10 of its 60
+        third = await admit(b, ks, limits, cost=60)
+        assert third.allowed and 29 <= third.remaining_tokens <= 31
+
+    run(make_backend, scenario)
+
+
+def test_request_larger_than_the_limit_is_too_large(make_backend):
+    async def scenario(b, ks):
+        d = await admit(b, ks, Limits(tpm=100), cost=101)
+        assert not d.allowed and d.reason == "too_large"
+
+    run(make_backend, scenario)
+
+
+def test_concurrency_slots_are_released_and_leases_expire(make_backend):
+    async def scenario(b, ks):
+        limits = Limits(max_concurrent_requests=2)
+        assert (await admit(b, ks, limits, rid="a")).allowed
+        assert (await admit(b, ks, limits, rid="b", lease_ms=300)).allowed
+        refused = await admit(b, ks, limits, rid="c")
+        assert not refused.allowed and refused.reason == "concurrency" and refused.retry_after_ms == 1000
+        await b.settle(ks, limits, "a", refund=0)
+        assert (await admit(b, ks, limits, rid="c")).allowed
+        assert not (await admit(b, ks, limits, rid="d")).allowed
+        await asyncio.sleep(0.4)  # "b" was never settled (a crashed process): its lease runs out
+        assert (await admit(b, ks, limits, rid="d")).allowed
+
+    run(make_backend, scenario)
+
+
+def test_budget_is_seeded_reserved_refunded_and_refused(make_backend):
+    async def scenario(b, ks):
+        limits = Limits(token_budget=100)
+        need = await admit(b, ks, limits, cost=50)
+        assert not need.allowed and need.reason == "need_seed"
+        first = await admit(b, ks, limits, cost=50, rid="a", seed=30)
+        assert first.allowed and first.budget_used == 80
+        refused = await admit(b, ks, limits, cost=30)
+        assert not refused.allowed and refused.reason == "budget" and refused.budget_used == 80
+        await b.settle(ks, limits, "a", refund=40)
+        assert (await admit(b, ks, limits, cost=30)).budget_used == 70
+
+    run(make_backend, scenario)
+
+
+def test_a_refused_request_costs_nothing_anywhere(make_backend):
+    async def scenario(b, ks):
+        limits = Limits(rpm=10, tpm=100, max_concurrent_requests=5, token_budget=1000)
+        assert (await admit(b, ks, limits, cost=10, seed=0)).remaining_requests == 9
+        assert (await admit(b, ks, limits, cost=101)).reason == "too_large"
+        assert (await admit(b, ks, limits, cost=995)).reason == "budget"
+        d = await admit(b, ks, limits, cost=10)
+        assert d.allowed and d.remaining_requests == 8 and d.budget_used == 20
+        assert 79 <= d.remaining_tokens <= 80
+
+    run(make_backend, scenario)
+
+
+def test_budget_is_reported_before_rate_limits(make_backend):
+    async def scenario(b, ks):
+        limits = Limits(rpm=1, token_budget=10)
+        assert (await admit(b, ks, limits, cost=10, seed=0)).allowed
+        assert (await admit(b, ks, limits, cost=1)).reason == "budget"
+
+    run(make_backend, scenario)
+
+
+def test_redis_admits_exactly_the_limit_under_concurrency(redis_server):
+    async def main():
+        clients = [RedisBackend(redis_server.url) for _ in range(4)]
+        ks = keys(next(_tenants), budget_period("month", utcnow()))
+        limits = Limits(rpm=10, tpm=1000)
+        results = await asyncio.gather(*(admit(clients[i % 4], ks, limits, cost=5) for i in range(60)))
+        for c in clients:
+            await c.close()
+        return sum(d.allowed for d in results)
+
+    assert asyncio.run(main()) == 10
+
+
+def test_budget_periods():
+    import datetime as dt
+
+    now = dt.datetime(2026, 11, 29, 13, 5)
+    month = budget_period("month", now)
+    assert (month.start, month.end) == (dt.date(2026, 11, 1), dt.datetime(2026, 12, 1))
+    week = budget_period("week", now)  # ISO weeks start on Monday
+    assert (week.start, week.end) == (dt.date(2026, 11, 23), dt.datetime(2026, 11, 30))
+    assert budget_period("day", now).end == dt.datetime(2026, 11, 30)
+    assert budget_period("month", dt.datetime(2026, 12, 31, 23)).end == dt.datetime(2027, 1, 1)
+
+
+@pytest.mark.parametrize("ms, text", [(0, "0ms"), (20.2, "21ms"), (1000, "1s"), (1500, "1.5s"), (360_000, "6m0s"),
+                                      (61_250, "1m1.25s")])
+def test_reset_durations_in_openai_format(ms, text):
+    assert format_duration(ms) == text
