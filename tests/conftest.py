@@ -5,8 +5,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter. Triton reads this when it is first
+# imported (peft and transformers import it), so it is set here, before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.manual_seed(0)
 
@@ -33,6 +40,3 @@ def tokenizer(model_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path)
-
-
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

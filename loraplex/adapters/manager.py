@@ -171,12 +171,12 @@ class AdapterManager:
         """True if a request for `name` can be admitted now; otherwise starts what makes it possible.
 
         Resident and not draining: yes. In host memory with a free or evictable slot: yes. Not in host
-        memory: starts the disk load and says no; the request is skipped for this step.
+        memory: no, the request is skipped for this step (the scheduler's `prefetch` pass loads it).
         """
         if name in self.slot_of:
             return name not in self.draining
-        if not self.prefetch(name):
-            return False
+        if name not in self.cpu:
+            return False  # the scheduler's prefetch pass loads it, oldest waiting request first
         return bool(self.free_slots) or self._evictable() is not None
 
     def make_room_for(self, name: str | None) -> None:
@@ -189,6 +189,8 @@ class AdapterManager:
             return
         if name in self.slot_of or self.free_slots or self._evictable() is not None or self.draining:
             return
+        if name not in self.cpu:
+            return  # drain only once the waiting adapter could use the slot
         victim = min(self.slot_of, key=self.slot_since.__getitem__)
         self.draining.add(victim)
 
@@ -207,7 +209,12 @@ class AdapterManager:
             self.cpu.move_to_end(name)
             if not self.free_slots:
                 self._evict_slot(self._evictable())
-            self._copy_in(name, self.free_slots.pop(0))
+            slot = self.free_slots.pop(0)
+            try:
+                self._copy_in(name, slot)
+            except Exception:
+                self.free_slots.append(slot)
+                raise
         self.refcount[name] = self.refcount.get(name, 0) + 1
         return self.slot_of[name]
 

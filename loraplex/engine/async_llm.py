@@ -13,6 +13,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import uuid
 from collections.abc import AsyncIterator
 
 from loraplex.engine.llm_engine import LLMEngine
@@ -41,9 +42,14 @@ class AsyncLLM:
         """
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue = asyncio.Queue()
-        req = await self._call(self.engine.add_request, prompt_token_ids, sampling_params, adapter, request_id,
-                               tenant_id, stream=(loop, deltas))
-        rid = req.request_id
+        rid = request_id or f"async-{uuid.uuid4().hex}"
+        try:
+            await self._call(self.engine.add_request, prompt_token_ids, sampling_params, adapter, rid, tenant_id,
+                             stream=(loop, deltas))
+        except asyncio.CancelledError:
+            # The add may run after we stop waiting; the queue is FIFO, so this abort comes after it.
+            self._commands.put((self.engine.abort_request, (rid,), None, concurrent.futures.Future()))
+            raise
         finished = False
         try:
             while True:
@@ -54,13 +60,11 @@ class AsyncLLM:
                     return
         finally:
             if not finished:
-                await self.abort(rid)
+                self._commands.put((self.engine.abort_request, (rid,), None, concurrent.futures.Future()))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its resources are freed before this returns."""
-        out = await self._call(self.engine.abort_request, request_id)
-        if out is not None:
-            self._deliver(out)
+        await self._call(self.engine.abort_request, request_id)
 
     async def call(self, fn, *args):
         """Run `fn(*args)` on the engine thread (e.g. `engine.adapters.register`), returning its result."""
@@ -78,14 +82,19 @@ class AsyncLLM:
 
     def _run_command(self, cmd) -> None:
         fn, args, stream, fut = cmd
+        cancelled = not fut.set_running_or_notify_cancel()  # the caller stopped waiting
         try:
             result = fn(*args)
         except Exception as exc:  # handed to the awaiting caller
-            fut.set_exception(exc)
+            if not cancelled:
+                fut.set_exception(exc)
             return
+        if isinstance(result, RequestOutput) and stream is None:
+            self._deliver(result)  # an abort: the stream (if still read) gets its last delta
         if stream is not None:
             self._streams[result.request_id] = stream
-        fut.set_result(result)
+        if not cancelled:
+            fut.set_result(result)
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
@@ -94,7 +103,10 @@ class AsyncLLM:
         if out.finished:
             del self._streams[out.request_id]
         loop, deltas = stream
-        loop.call_soon_threadsafe(deltas.put_nowait, out)
+        try:
+            loop.call_soon_threadsafe(deltas.put_nowait, out)
+        except RuntimeError:  # the consumer's event loop is closed: nobody reads this stream
+            pass
 
     def _loop(self) -> None:
         while True:
@@ -107,12 +119,28 @@ class AsyncLLM:
                     cmd = self._commands.get_nowait()
             except queue.Empty:
                 pass
+            except Exception:  # never let a command kill the engine thread
+                logger.exception("engine command failed")
             if not self.engine.has_unfinished_requests():
                 continue
             try:
-                outputs = self.engine.step()
+                for out in self.engine.step():
+                    self._deliver(out)
             except Exception:  # a failed step must not kill the thread: end every request, keep serving
-                logger.exception("engine step failed; aborting all running requests")
-                outputs = [o for rid in list(self.engine.requests) if (o := self.engine.abort_request(rid))]
-            for out in outputs:
-                self._deliver(out)
+                logger.exception("engine step failed; aborting all requests")
+                self._abort_all()
+
+    def _abort_all(self) -> None:
+        for rid in list(self.engine.requests):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                logger.exception("abort of %s failed", rid)
+        for rid, (loop, deltas) in list(self._streams.items()):
+            del self._streams[rid]
+            out = RequestOutput(request_id=rid, prompt_token_ids=[], token_ids=[], text="", finish_reason="abort",
+                                adapter=None)
+            try:
+                loop.call_soon_threadsafe(deltas.put_nowait, out)
+            except RuntimeError:
+                pass

@@ -129,14 +129,14 @@ class LLMEngine:
                              f"KV cache, but the whole cache holds {capacity} tokens")
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"adapter {adapter!r} is not loaded")
-        if adapter is not None and adapter in self.adapters.failed:
-            raise ValueError(f"adapter {adapter!r} failed to load: {self.adapters.failed[adapter]}")
+        if adapter is not None:
+            self.adapters.failed.pop(adapter, None)  # a new request retries a load that failed before
         if any(t < 0 or t >= self.model_config.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
         kwargs = {"request_id": request_id} if request_id is not None else {}
-        if request_id is not None and request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(list(prompt_token_ids), params, adapter=adapter, tenant_id=tenant_id, **kwargs)
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
         self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.scheduler.add_request(req)

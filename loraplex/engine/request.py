@@ -44,7 +44,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        # Below 1e-5, logits / temperature overflows; vLLM treats such temperatures as greedy too.
+        return self.temperature < 1e-5
 
 
 class RequestStatus(enum.IntEnum):
@@ -67,7 +68,7 @@ FINISH_REASONS = {
 _ids = itertools.count()
 
 
-@dataclass
+@dataclass(eq=False)  # identity: queues remove and find requests by object, not by field values
 class Request:
     """A prompt, its generated tokens and the engine's bookkeeping.
 

@@ -86,6 +86,8 @@ class Scheduler:
             budget -= num_new
         if not (out.preempted or (self.cfg.static_batching and self.running)):
             self._admit(out, budget)
+        elif not self.running:
+            self.adapters.make_room_for(None)
         self._prefetch()
         return out
 

@@ -48,6 +48,7 @@ class FakeAdapters:
 
 
 def make(num_blocks=64, block_size=4, slots=4, **cfg):
+    cfg.setdefault("max_num_seqs", 8)
     cfg = EngineConfig(block_size=block_size, max_loras=slots, **cfg)
     bm = BlockManager(num_blocks, block_size)
     return Scheduler(cfg, bm, FakeAdapters(slots)), bm
@@ -187,3 +188,5 @@ def test_engine_config_checks_itself():
         EngineConfig(max_loras=0)
     with pytest.raises(ValueError, match="kv_cache_memory"):
         EngineConfig(kv_cache_memory=-1)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(16\) must be >= max_num_seqs \(32\)"):
+        EngineConfig(max_num_batched_tokens=16, max_num_seqs=32)
