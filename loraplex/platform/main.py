@@ -6,6 +6,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI
 
+from loraplex.platform import dashboard
 from loraplex.platform.api.routes import adapters, admin, chat, completions, health, models
 from loraplex.platform.config import Settings
 from loraplex.platform.engine import EngineService
@@ -33,5 +34,6 @@ def create_app(settings: Settings | None = None, engine: EngineService | None = 
         v1.include_router(module.router)
     app.include_router(v1)
     app.include_router(admin.router)
+    app.include_router(dashboard.router)
     app.include_router(health.router)
     return app

@@ -66,6 +66,19 @@ class ApiKey(Base):
     tenant: Mapped[Tenant | None] = relationship(back_populates="keys")
 
 
+class AdminSession(Base):
+    """A signed-in dashboard session (issue 7). The cookie holds a random token; only its sha256 is kept.
+    It lives no longer than its admin key: revoking the key ends its sessions."""
+
+    __tablename__ = "admin_sessions"
+
+    token_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    api_key_id: Mapped[int] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"), index=True)
+    csrf_token: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(), default=utcnow)
+    expires_at: Mapped[dt.datetime] = mapped_column(DateTime())
+
+
 class Quota(Base):
     """One row per tenant; NULL means unlimited."""
 

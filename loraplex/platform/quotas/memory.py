@@ -104,6 +104,14 @@ class MemoryBackend:
                 used, expires = self._budget[bg]
                 self._budget[bg] = (max(0, used - refund), expires)
 
+    async def peek(self, keys: list[str]) -> tuple[float, float | None, float | None, int]:
+        """(now ms, request TAT, token TAT, requests in flight), changing nothing."""
+        rq, tk, cc, _ = keys
+        with self._lock:
+            now = self.now_ms()
+            num_concurrent = sum(exp > now for exp in self._leases.get(cc, {}).values())
+            return now, self._tat.get(rq), self._tat.get(tk), num_concurrent
+
     async def ping(self) -> bool:
         return True
 

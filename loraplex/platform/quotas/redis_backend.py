@@ -97,6 +97,14 @@ if u then redis.call('SET', bg, string.format('%d', math.max(0, tonumber(u) - re
 return 1
 """
 
+# KEYS: rq tk cc. Read-only: now, request TAT, token TAT ('' when unset), requests in flight
+PEEK_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+return {string.format('%.3f', now), redis.call('GET', KEYS[1]) or '', redis.call('GET', KEYS[2]) or '',
+        tostring(redis.call('ZCOUNT', KEYS[3], '(' .. string.format('%.3f', now), '+inf'))}
+"""
+
 
 def _arg(limit: int | None) -> int:
     return -1 if limit is None else limit
@@ -108,6 +116,7 @@ class RedisBackend:
                                      retry=Retry(NoBackoff(), 1), decode_responses=True)
         self._admit = self.client.register_script(ADMIT_LUA)
         self._settle = self.client.register_script(SETTLE_LUA)
+        self._peek = self.client.register_script(PEEK_LUA)
 
     async def admit(self, keys: list[str], limits: Limits, cost: int, request_id: str, *, lease_ms: float,
                     budget_ttl_ms: float, budget_seed: int | None = None) -> Decision:
@@ -124,6 +133,11 @@ class RedisBackend:
     async def settle(self, keys: list[str], limits: Limits, request_id: str, refund: int) -> None:
         _, tk, cc, bg = keys
         await self._settle(keys=[tk, cc, bg], args=[_arg(limits.tpm), request_id, max(0, refund)])
+
+    async def peek(self, keys: list[str]) -> tuple[float, float | None, float | None, int]:
+        """(now ms, request TAT, token TAT, requests in flight) on Redis's clock, changing nothing."""
+        now, rq, tk, num_concurrent = await self._peek(keys=keys[:3])
+        return float(now), float(rq) if rq else None, float(tk) if tk else None, int(num_concurrent)
 
     async def ping(self) -> bool:
         return bool(await self.client.ping())

@@ -26,6 +26,7 @@ from loraplex.platform.quotas.limits import (
     Limits,
     budget_period,
     format_duration,
+    gcra_remaining,
     keys,
 )
 from loraplex.platform.quotas.memory import MemoryBackend
@@ -44,6 +45,16 @@ class Ticket:
     keys: list[str]
     backend: object
     headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CurrentUse:
+    """A tenant's use of its limits right now: requests and tokens held in its one-minute buckets (they
+    refill continuously), and requests in flight. None where no limit is set (nothing is counted then)."""
+
+    num_requests: int | None
+    num_tokens: int | None
+    num_concurrent: int | None
 
 
 def rate_limit_headers(limits: Limits, d: Decision) -> dict[str, str]:
@@ -107,6 +118,20 @@ class QuotaService:
             await ticket.backend.settle(ticket.keys, ticket.limits, ticket.request_id, refund)
         except Exception as exc:  # a lost refund only under-admits until the lease / bucket catches up
             logger.warning("could not settle quota of request %s: %s", ticket.request_id, exc)
+
+    async def current_use(self, tenant_id: int, limits: Limits) -> CurrentUse:
+        """Read-only (the admin dashboard); raises if the store is unreachable."""
+        ks = keys(tenant_id, budget_period(limits.budget_period, utcnow()))
+        backend = self.local if self.degraded else self.backend
+        now, rq_tat, tk_tat, num_concurrent = await backend.peek(ks)
+
+        def used(tat: float | None, limit: int | None) -> int | None:
+            if limit is None:
+                return None
+            return 0 if tat is None or not limit else limit - gcra_remaining(max(tat, now), now, limit)
+
+        return CurrentUse(used(rq_tat, limits.rpm), used(tk_tat, limits.tpm),
+                          None if limits.max_concurrent_requests is None else num_concurrent)
 
     def _refusal(self, limits: Limits, cost: int, d: Decision, period) -> APIError:
         headers = rate_limit_headers(limits, d)
