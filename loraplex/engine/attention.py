@@ -9,7 +9,9 @@ Rows of a step are laid out decodes first, then each prefill chunk:
     slots:  slot_mapping[t] = block_table[pos // block_size] * block_size + pos % block_size
 
 Each new token's K/V is written to its slot first; then every query reads its request's K/V through
-the block table (gathered slot indices), so a prefill chunk sees the earlier chunks of its prompt.
+its block table, gathering whole blocks (one index per block, not per token: a block's tokens are
+contiguous in the cache), so a prefill chunk sees the earlier chunks of its prompt. Positions past a
+request's length (the tail of its last block, padding blocks) are masked out.
 """
 
 from __future__ import annotations
@@ -24,14 +26,14 @@ import torch.nn.functional as F
 class PrefillChunk:
     """One request's prefill chunk: rows [start, start + num_tokens) of the step.
 
-    context_slots: [C] slot of every token the chunk attends to (earlier chunks and itself), or None
-    when the chunk is the whole context (attend to the fresh K/V with a causal mask). mask: [L, C]
-    bool, True where query i may attend key j (j <= num_computed + i).
+    block_table: [N_b] int64 blocks holding the chunk's context (earlier chunks and itself), or None
+    when the chunk is the whole context (attend to the fresh K/V with a causal mask). mask:
+    [L, N_b * block_size] bool, True where query i may attend key j (j <= num_computed + i).
     """
 
     start: int
     num_tokens: int
-    context_slots: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
     mask: torch.Tensor | None = None
 
 
@@ -39,14 +41,15 @@ class PrefillChunk:
 class AttentionMetadata:
     """Per-step attention inputs, shared by every layer.
 
-    slot_mapping: [T] int64 KV cache slot of each row's token. decode_slots: [B_d, C] int64 slots of
-    each decode request's context, padded with slot 0; decode_mask: [B_d, 1, 1, C] bool, False on
-    padding.
+    slot_mapping: [T] int64 KV cache slot of each row's token. decode_block_tables: [B_d, N_b] int64
+    blocks of each decode request, padded with block 0; decode_mask: [B_d, 1, 1, N_b * block_size]
+    bool, True on the request's positions 0..len-1.
     """
 
     slot_mapping: torch.Tensor
+    block_size: int = 16
     num_decode_tokens: int = 0
-    decode_slots: torch.Tensor | None = None
+    decode_block_tables: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
@@ -61,19 +64,26 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     out = torch.empty_like(q)
     nd = attn.num_decode_tokens
     if nd:
-        kd = k_cache[attn.decode_slots].transpose(1, 2)  # [B_d, nKV, C, D]
-        vd = v_cache[attn.decode_slots].transpose(1, 2)
+        kd = _gather_blocks(k_cache, attn.decode_block_tables, attn.block_size).transpose(1, 2)  # [B_d, nKV, C, D]
+        vd = _gather_blocks(v_cache, attn.decode_block_tables, attn.block_size).transpose(1, 2)
         qd = q[:nd].unsqueeze(2)  # [B_d, nH, 1, D]
         out[:nd] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=attn.decode_mask, enable_gqa=True).squeeze(2)
     for p in attn.prefills:
         rows = slice(p.start, p.start + p.num_tokens)
         qp = q[rows].transpose(0, 1)  # [nH, L, D]
-        if p.context_slots is None:
+        if p.block_table is None:
             kp, vp = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [nKV, L, D]
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
         else:
-            kp = k_cache[p.context_slots].transpose(0, 1)  # [nKV, C, D]
-            vp = v_cache[p.context_slots].transpose(0, 1)
+            kp = _gather_blocks(k_cache, p.block_table[None], attn.block_size)[0].transpose(0, 1)  # [nKV, C, D]
+            vp = _gather_blocks(v_cache, p.block_table[None], attn.block_size)[0].transpose(0, 1)
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, enable_gqa=True)
         out[rows] = o.transpose(0, 1)
     return out
+
+
+def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """cache [num_blocks * block_size, nKV, D], block_tables [B, N_b] -> [B, N_b * block_size, nKV, D]."""
+    num_seqs, num_blocks = block_tables.shape
+    blocks = cache.view(-1, block_size, *cache.shape[1:]).index_select(0, block_tables.reshape(-1))
+    return blocks.view(num_seqs, num_blocks * block_size, *cache.shape[1:])

@@ -40,14 +40,11 @@ class ModelRunner:
             for _ in range(cfg.num_hidden_layers)
         ]
 
-    def _slots(self, block_tables: list[list[int]], lengths: list[int]) -> torch.Tensor:
-        """[N, C] slots of positions 0..C-1 of each request (C = max length; pad positions read slot 0)."""
-        c = max(lengths)
-        width = -(-c // self.block_size)
-        bt = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in block_tables], dtype=torch.int64)
-        pos = torch.arange(c)
-        slots = bt[:, pos // self.block_size] * self.block_size + pos % self.block_size  # [N, C]
-        return slots.to(self.device)
+    def _block_tables(self, block_tables: list[list[int]], length: int) -> torch.Tensor:
+        """[N, ceil(length / block_size)] int64: the blocks holding positions 0..length-1, padded with 0."""
+        width = -(-length // self.block_size)
+        rows = [t[:width] + [0] * (width - len(t[:width])) for t in block_tables]
+        return torch.tensor(rows, dtype=torch.int64, device=self.device)
 
     def prepare(self, sched: SchedulerOutput, slot_ranks: list[int]):
         """Flatten the step: decodes (one new token) first, then prefill chunks.
@@ -74,10 +71,10 @@ class ModelRunner:
             elif start == 0:
                 prefills.append(PrefillChunk(row, n))
             else:
-                ctx = self._slots([req.block_table], [end])[0]  # [C]
+                table = self._block_tables([req.block_table], end)[0]  # [N_b]
                 i = torch.arange(n, device=self.device)[:, None]
-                j = torch.arange(end, device=self.device)[None, :]
-                prefills.append(PrefillChunk(row, n, context_slots=ctx, mask=j <= start + i))
+                j = torch.arange(table.numel() * self.block_size, device=self.device)[None, :]
+                prefills.append(PrefillChunk(row, n, block_table=table, mask=j <= start + i))
             if end == req.num_tokens:
                 sampled.append(req)
                 sample_rows.append(len(ids) - 1)
@@ -85,11 +82,11 @@ class ModelRunner:
                         for p in range(req.num_computed_tokens,
                                        req.num_computed_tokens + sched.num_scheduled_tokens[req.request_id])]
         attn = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=self.device),
-                                 num_decode_tokens=len(decodes), prefills=prefills)
+                                 block_size=self.block_size, num_decode_tokens=len(decodes), prefills=prefills)
         if decodes:
             lengths = [r.num_computed_tokens + 1 for r in decodes]
-            attn.decode_slots = self._slots([r.block_table for r in decodes], lengths)  # [B_d, C]
-            c = attn.decode_slots.shape[1]
+            attn.decode_block_tables = self._block_tables([r.block_table for r in decodes], max(lengths))
+            c = attn.decode_block_tables.shape[1] * self.block_size
             lens = torch.tensor(lengths, device=self.device)
             attn.decode_mask = (torch.arange(c, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
         lora = build_lora_meta(slot_ids, self.device, slot_ranks=slot_ranks) if any(
