@@ -95,11 +95,18 @@ def add_lora_packed(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
     cols = _packed_columns(meta, x.device)
     s_idx, r_idx, mask, rows = cols["s"], cols["r"], cols["mask"], cols["rows"]
     xs = x if rows is None else x.index_select(0, rows)  # [T_a, H_in]; every row when rows is None
+    key = (tuple(meta.seg_slots_list), tuple(meta.slot_ranks[s] for s in meta.seg_slots_list))
     for w, off in zip(slices, offsets, strict=True):
-        a = w.A[s_idx, r_idx]  # [N, H_in]
-        b = w.B[s_idx, :, r_idx]  # [N, H_out]
+        # The gathered weights change only when the active slots or their contents do: reuse them
+        # across the steps of a steady batch.
+        if w.packed_cache is None or w.packed_cache[:2] != (key, w.version):
+            a = w.A[s_idx, r_idx].contiguous()  # [N, H_in]
+            b = w.B[s_idx, :, r_idx].contiguous()  # [N, H_out]
+            col_scale = w.scales[s_idx].to(w.A.dtype)  # [N]
+            w.packed_cache = (key, w.version, a, b, col_scale)
+        _, _, a, b, col_scale = w.packed_cache
         v = xs @ a.T  # [T_a, N]
-        v = torch.where(mask, v * w.scales.to(v.dtype)[s_idx], torch.zeros((), dtype=v.dtype))
+        v = torch.where(mask, v * col_scale.to(v.dtype), torch.zeros((), dtype=v.dtype))
         delta = (v @ b).to(y.dtype)  # [T_a, H_out]
         if rows is None:
             y[:, off:off + b.shape[1]] += delta
