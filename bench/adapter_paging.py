@@ -56,6 +56,7 @@ def main() -> None:
     ap.add_argument("--max-loras", type=int, default=8)
     ap.add_argument("--max-cpu-loras", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--num-files", type=int, default=64, help="distinct adapter files behind the names")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
@@ -68,9 +69,12 @@ def main() -> None:
               max_lora_rank=64, max_num_seqs=args.max_num_seqs)
     cfg = llm.engine.model_config
     tmp = Path(tempfile.mkdtemp(prefix="loraplex-paging-"))
+    # Names are distinct adapters to the engine (each pages through the tiers on its own); their
+    # files cycle over --num-files directories so 1,024 adapters do not take gigabytes of disk.
+    for i in range(min(max(counts), args.num_files)):
+        write_random_adapter(tmp / f"f{i}", cfg, r=args.rank, alpha=2 * args.rank, targets=ALL, seed=i)
     for i in range(max(counts)):
-        write_random_adapter(tmp / f"a{i}", cfg, r=args.rank, alpha=2 * args.rank, targets=ALL, seed=i)
-        llm.load_adapter(f"a{i}", tmp / f"a{i}")
+        llm.load_adapter(f"a{i}", tmp / f"f{i % args.num_files}")
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
