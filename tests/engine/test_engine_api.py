@@ -202,3 +202,36 @@ def test_cli_generate_answers_a_chat_prompt(model_path):
     bad = subprocess.run([sys.executable, "-m", "loraplex.cli", "generate", "--model", str(model_path),
                           "--prompt", "x", "--use", "ghost"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--use 'ghost' names no adapter" in bad.stderr
+
+
+def test_async_engine_survives_callers_cancelled_mid_request():
+    """A caller cancelled while its request is being added or streamed must not kill the engine thread."""
+
+    async def main():
+        engine = AsyncLLM("tiny-llama", load_format="dummy", dtype="float32", max_lora_rank=8, max_loras=1,
+                          kv_cache_memory=1 << 20)
+        params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+
+        async def consume():
+            return [d async for d in engine.generate([1, 2, 3], params)]
+
+        for delay in (0, 0.001, 0.01, 0.05):
+            task = asyncio.create_task(consume())
+            await asyncio.sleep(delay)
+            task.cancel()
+            try:  # cancelled mid-add or mid-stream, or (at the longest delay) maybe already done
+                await task
+            except asyncio.CancelledError:
+                pass
+        assert engine._thread.is_alive()
+        outs = [d async for d in engine.generate([4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True))]
+        assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 3
+        bm = engine.engine.block_manager
+        for _ in range(200):
+            if not engine.engine.requests:
+                break
+            await asyncio.sleep(0.01)
+        assert not engine.engine.requests and bm.num_free_blocks == bm.num_blocks
+        engine.shutdown()
+
+    asyncio.run(main())
