@@ -103,7 +103,7 @@ class LLMEngine:
             layer.self_attn.lora = {m: buffers[m] for m in ("q_proj", "k_proj", "v_proj", "o_proj")}
             layer.mlp.lora = {m: buffers[m] for m in ("gate_proj", "up_proj", "down_proj")}
         self.scheduler = Scheduler(self.config, self.block_manager, self.adapters)
-        self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, self.block_manager, self.dtype, self.device)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
@@ -195,7 +195,7 @@ class LLMEngine:
         if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
             req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
-        if self.detokenizers[req.request_id].add_token(token) if self.tokenizer is not None else False:
+        if self.tokenizer is not None and self.detokenizers[req.request_id].add_token(token):
             return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.model_config.max_model_len:
             return RequestStatus.FINISHED_LENGTH

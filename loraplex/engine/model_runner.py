@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from loraplex.engine.attention import AttentionMetadata, PrefillChunk
+from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import ModelConfig
 from loraplex.engine.model import LlamaModel
 from loraplex.engine.request import Request
@@ -26,14 +27,14 @@ def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dty
 class ModelRunner:
     """Owns the model and the paged KV cache: per layer (k, v), each [num_blocks * block_size, nKV, D]."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(self, model: LlamaModel, block_manager: BlockManager, dtype: torch.dtype, device: torch.device):
         cfg = model.cfg
         self.model = model
         self.cfg = cfg
-        self.block_size = block_size
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
         self.device = device
-        num_slots = num_blocks * block_size
+        num_slots = block_manager.num_blocks * block_manager.block_size
         self.kv_caches = [
             (torch.zeros(num_slots, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device),
              torch.zeros(num_slots, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device))
@@ -78,7 +79,7 @@ class ModelRunner:
             if end == req.num_tokens:
                 sampled.append(req)
                 sample_rows.append(len(ids) - 1)
-        slot_mapping = [self._slot(req, p) for req in reqs
+        slot_mapping = [self.block_manager.slot(req, p) for req in reqs
                         for p in range(req.num_computed_tokens,
                                        req.num_computed_tokens + sched.num_scheduled_tokens[req.request_id])]
         attn = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=self.device),
@@ -93,9 +94,6 @@ class ModelRunner:
             s >= 0 for s in slot_ids) else None
         as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)
         return as_tensor(ids), as_tensor(positions), attn, lora, sampled, sample_rows
-
-    def _slot(self, req: Request, position: int) -> int:
-        return req.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
     def execute(self, sched: SchedulerOutput, slot_ranks: list[int]) -> dict[str, int]:
         """Run one step; returns the sampled token of each request whose tokens are now all computed."""
