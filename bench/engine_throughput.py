@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplex import LLM, SamplingParams
+from loraplex.adapters.synthetic import randomize_lora_weights
 from loraplex.engine.loader import DEFAULT_MODEL, resolve_model
 
 RANKS = (8, 16, 32, 64)
@@ -103,12 +104,7 @@ def make_peft_model(model_path, args, root: str):
             model = get_peft_model(model, cfg, adapter_name="lora0")
         else:
             model.add_adapter(f"lora{i}", cfg)
-    for module in model.modules():
-        if hasattr(module, "lora_A"):
-            for name in module.lora_A:
-                a, b = module.lora_A[name].weight, module.lora_B[name].weight
-                a.data = torch.randn(a.shape, generator=gen) / a.shape[1] ** 0.5
-                b.data = torch.randn(b.shape, generator=gen) * 0.05
+    randomize_lora_weights(model, gen, b_std=0.05)
     model.save_pretrained(root)  # peft writes each named adapter to root/<name>
     model.get_base_model().generation_config.eos_token_id = None  # EOS never stops a row (ignore_eos)
     return model.to(DTYPES[args.dtype]).eval()

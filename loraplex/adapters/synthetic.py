@@ -27,3 +27,16 @@ def write_random_adapter(path, model_cfg, *, r: int, alpha: float, targets=("q_p
     config = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(targets),
               "bias": "none", "lora_dropout": 0.0, "task_type": "CAUSAL_LM", "use_rslora": False}
     (path / "adapter_config.json").write_text(json.dumps(config))
+
+
+def randomize_lora_weights(peft_model, generator: torch.Generator, b_std: float = 0.05) -> None:
+    """Give every LoRA module of a PeftModel random A ~ N(0, 1/H_in) and B ~ N(0, b_std), in place.
+
+    PEFT initialises B to zero (a no-op adapter); tests and benchmarks need adapters that change the output.
+    """
+    for module in peft_model.modules():
+        if hasattr(module, "lora_A"):
+            for name in module.lora_A:
+                a, b = module.lora_A[name].weight, module.lora_B[name].weight
+                a.data = torch.randn(a.shape, generator=generator) / a.shape[1] ** 0.5
+                b.data = torch.randn(b.shape, generator=generator) * b_std

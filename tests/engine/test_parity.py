@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from loraplex import LLM, SamplingParams
+from loraplex.adapters.synthetic import randomize_lora_weights
 from tests.helpers import chat_ids
 
 MAX_NEW = 12
@@ -51,12 +52,7 @@ def peft_model(hf_model, tmp_path_factory):
             model = get_peft_model(hf_model, cfg, adapter_name=name)
         else:
             model.add_adapter(name, cfg)
-    for module in model.modules():
-        if hasattr(module, "lora_A"):
-            for name in module.lora_A:
-                a, b = module.lora_A[name].weight, module.lora_B[name].weight
-                a.data = torch.randn(a.shape, generator=gen) / a.shape[1] ** 0.5
-                b.data = torch.randn(b.shape, generator=gen) * 0.05
+    randomize_lora_weights(model, gen, b_std=0.05)
     model.save_pretrained(root)  # first adapter at the root, the others in sub-folders
     paths = {name: root / name for name in ADAPTERS}  # peft 0.21 writes every adapter in a sub-folder
     model.eval()
