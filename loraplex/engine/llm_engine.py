@@ -107,6 +107,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
+        self.num_batched_rows = 0  # sum over steps of the requests scheduled in the step
         self.num_generated_tokens = 0
 
     # requests -----------------------------------------------------------------------------------
@@ -170,6 +171,7 @@ class LLMEngine:
             wait([f for f, _ in self.adapters.loading.values()], timeout=0.1, return_when=FIRST_COMPLETED)
         tokens = self.runner.execute(sched, self.adapters.slot_ranks) if not sched.is_empty else {}
         self.num_steps += 1
+        self.num_batched_rows += len(sched.requests)
         return self._update(sched, tokens)
 
     def _update(self, sched: SchedulerOutput, tokens: dict[str, int]) -> list[RequestOutput]:

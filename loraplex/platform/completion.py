@@ -100,7 +100,8 @@ def sampling_params(plan: Plan) -> list[SamplingParams]:
                 params.append(SamplingParams(
                     max_tokens=plan.max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                     top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or -1,
-                    seed=None if body.seed is None else body.seed + j, stop=body.stop))
+                    seed=None if body.seed is None else body.seed + j, stop=body.stop,
+                    ignore_eos=body.ignore_eos))
             except ValueError as e:
                 raise invalid_request(str(e)) from None
     return params

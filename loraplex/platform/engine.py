@@ -102,6 +102,7 @@ def engine_stats(core) -> dict:
         "num_kv_blocks": bm.num_blocks,
         "num_free_kv_blocks": bm.num_free_blocks,
         "num_steps": core.num_steps,
+        "num_batched_rows": core.num_batched_rows,
         "num_generated_tokens": core.num_generated_tokens,
         "num_preemptions": core.scheduler.num_preemptions,
         "adapters": core.adapters.adapter_stats(),

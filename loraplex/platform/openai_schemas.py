@@ -45,6 +45,7 @@ class SamplingFields(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, description="loraplex extension: -1 keeps every token")
+    ignore_eos: bool = Field(False, description="vLLM extension: EOS does not stop, generate max_tokens")
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = None

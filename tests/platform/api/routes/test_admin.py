@@ -95,6 +95,7 @@ def test_engine_state(admin, make_tenant, peft_adapters):
     s = admin.get("/admin/engine").json()
     assert s["model"] == BASE_MODEL and s["quota_store"] == "ok"
     assert s["num_running"] == 0 and s["num_waiting"] == 0 and 0 <= s["kv_cache_usage"] <= 1
+    assert s["num_steps"] >= 1 and s["num_batched_rows"] >= 1
     tiers = s["adapters"]["tiers"]
     assert {"gpu", "cpu", "disk"} <= set(tiers) and tiers["gpu"]["misses"] >= 1
     mine = [tier for name, tier in s["adapters"]["adapters"].items() if name.startswith(f"{t.id}:resident:")]

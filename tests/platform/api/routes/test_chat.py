@@ -116,6 +116,15 @@ def test_n_choices_and_seeded_sampling(make_tenant):
     assert [c["message"]["content"] for c in again] == [c["message"]["content"] for c in choices]
 
 
+def test_ignore_eos_generates_max_tokens(make_tenant):
+    t = make_tenant()
+    short = t.chat(content="Say hi", max_tokens=40).json()
+    assert short["choices"][0]["finish_reason"] == "stop" and short["usage"]["completion_tokens"] < 40
+    full = t.chat(content="Say hi", max_tokens=40, ignore_eos=True).json()
+    assert full["choices"][0]["finish_reason"] == "length" and full["usage"]["completion_tokens"] == 40
+    assert full["choices"][0]["message"]["content"].startswith(short["choices"][0]["message"]["content"])
+
+
 @pytest.mark.parametrize("body, param", [
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
     ({"temperature": 3}, "temperature"),

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tests.helpers import chat_ids
 from tests.platform.factories import BASE_MODEL
 
 pytestmark = pytest.mark.slow
@@ -54,3 +55,19 @@ def test_bad_prompts(make_tenant, body, param):
     r = complete(t, **body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_ignore_eos_generates_max_tokens(make_tenant, tokenizer):
+    """vLLM's extension: EOS does not stop the row; streamed or not, it makes exactly max_tokens."""
+    t = make_tenant()
+    ids = chat_ids(tokenizer, "Say hi")  # the chat template: the model answers briefly, then EOS
+    short = complete(t, prompt=ids, max_tokens=40).json()
+    assert short["choices"][0]["finish_reason"] == "stop" and short["usage"]["completion_tokens"] < 40
+    full = complete(t, prompt=ids, max_tokens=40, ignore_eos=True).json()
+    assert full["choices"][0]["finish_reason"] == "length" and full["usage"]["completion_tokens"] == 40
+    with t.client.stream("POST", "/v1/completions", json={"model": BASE_MODEL, "prompt": ids, "max_tokens": 40,
+                                                           "temperature": 0, "ignore_eos": True, "stream": True,
+                                                           "stream_options": {"include_usage": True}}) as r:
+        chunks = [json.loads(line.removeprefix("data: ")) for line in r.iter_lines() if line and "[DONE]" not in line]
+    assert chunks[-1]["usage"]["completion_tokens"] == 40
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == full["choices"][0]["text"]
