@@ -1,4 +1,5 @@
-"""`loraplex` command line: `loraplex generate ...` (one prompt) and `loraplex serve` (the gateway)."""
+"""`loraplex` command line: `loraplex generate ...` (one prompt), `loraplex serve` (the gateway) and
+`loraplex bench` (the serving benchmark, `loraplex.bench.run`)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its own argument parser, so `loraplex bench --help` shows its options
+        from loraplex.bench.run import main as bench_main
+
+        return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="loraplex", description="Multi-tenant LoRA serving on one base model.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="answer one prompt with the base model or an adapter")
@@ -60,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, without chat template")
     gen.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
+    sub.add_parser("bench", help="run the serving benchmark and write a report (loraplex bench --help)")
     srv = sub.add_parser("serve", help="run the multi-tenant OpenAI-compatible gateway (settings: LORAPLEX_*)")
     srv.add_argument("--host", help="default LORAPLEX_HOST or 127.0.0.1")
     srv.add_argument("--port", type=int, help="default LORAPLEX_PORT or 8000")

@@ -1,0 +1,247 @@
+"""The HTTP system of the serving benchmark: a real `loraplex serve` process, driven by the official
+`openai` client with streaming (what a tenant sees: HTTP, auth, quotas, SSE on top of the engine).
+
+`run_http` starts the server on a fresh LORAPLEX_HOME whose `models/` links to the normal model cache
+(nothing is downloaded or converted again), makes one unlimited tenant per workload tenant with a key,
+uploads every adapter to the tenants whose requests use it, warms each model up once, then replays the
+workload: each request is an asyncio task that sleeps until its arrival and streams `/v1/completions`
+with the prompt's token ids, greedy, `ignore_eos` (each row makes exactly `output_len` tokens).
+
+Times are `time.perf_counter()` seconds from the start of the replay. first_token_s is the first chunk
+with text (a token that decodes to no text, e.g. a special token, sends no chunk; a stream with no text
+at all counts its finish chunk), finish_s the end of the stream (after the usage chunk), and
+num_output_tokens the usage chunk's completion_tokens. The stream carries text, not token ids, so
+records get `text` and leave `token_ids` empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from loraplex.bench.metrics import RequestRecord, RunStats
+from loraplex.bench.workload import BenchRequest, Workload
+
+START_TIMEOUT_S = 300.0
+REQUEST_TIMEOUT = httpx.Timeout(3600.0, connect=60.0)  # a request may queue for long under overload
+LOCAL = dict(timeout=REQUEST_TIMEOUT, trust_env=False)  # 127.0.0.1: never through an HTTP(S)_PROXY
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+UNLIMITED = dict.fromkeys(
+    ("rpm", "tpm", "max_concurrent_requests", "token_budget", "max_adapters", "max_adapter_bytes")
+)
+
+
+def run_http(
+    workload: Workload,
+    adapter_dirs: dict[str, Path],
+    *,
+    engine_env: dict[str, str] | None = None,
+    port: int | None = None,
+    log_path: Path | None = None,
+) -> tuple[list[RequestRecord], RunStats]:
+    """Replay `workload` through a `loraplex serve` subprocess; records in workload order.
+
+    adapter_dirs: adapter name -> PEFT directory, for every adapter the workload uses. engine_env:
+    LORAPLEX_* engine settings (LORAPLEX_MAX_LORAS, LORAPLEX_DTYPE, ...); the caller's own LORAPLEX_*
+    variables are not passed on (no shared database or Redis). port: default a free one. log_path: the
+    server's stdout and stderr (default a temporary file, deleted). A failed request becomes a record
+    with `error`; a server that does not start, or a failed tenant, upload or warm-up, raises.
+    """
+    missing = sorted(set(workload.adapters) - set(adapter_dirs))
+    if missing:
+        raise ValueError(f"no directory in adapter_dirs for the workload's adapters {missing}")
+    from loraplex.engine.loader import loraplex_home
+    from loraplex.platform.security import new_key
+
+    admin_key, port = new_key(), port or free_port()
+    url = f"http://127.0.0.1:{port}"
+    home = Path(tempfile.mkdtemp(prefix="loraplex-bench-http-"))
+    try:
+        models = loraplex_home() / "models"
+        models.mkdir(parents=True, exist_ok=True)  # a model missing from the cache is converted there, once
+        (home / "models").symlink_to(models, target_is_directory=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
+        env |= {
+            **(engine_env or {}),
+            "LORAPLEX_HOME": str(home),
+            "LORAPLEX_HOST": "127.0.0.1",
+            "LORAPLEX_PORT": str(port),
+            "LORAPLEX_ADMIN_KEY": admin_key,
+            "PYTHONUNBUFFERED": "1",
+        }
+        log_path = Path(log_path) if log_path is not None else home / "serve.log"
+        with open(log_path, "w") as log:
+            cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--log-level", "warning"]
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                _wait_ready(proc, url, log_path)
+                with httpx.Client(base_url=url, headers=_auth(admin_key), **LOCAL) as admin:
+                    keys = _set_up_tenants(admin, workload, adapter_dirs)
+                    base_model = admin.get("/admin/engine").raise_for_status().json()["model"]
+                return asyncio.run(_bench(url, admin_key, keys, base_model, workload))
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)  # unlinks the models/ link, never follows it
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _tail(path: Path, num_chars: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-num_chars:]
+    except OSError as exc:
+        return f"(no log: {exc})"
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, log_path: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"loraplex serve exited with {proc.returncode}; log tail:\n{_tail(log_path)}")
+        try:
+            if httpx.get(url + "/health", timeout=1.0, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(
+        f"loraplex serve did not answer /health in {START_TIMEOUT_S:g} s; log tail:\n{_tail(log_path)}"
+    )
+
+
+def _check(r: httpx.Response, what: str) -> dict:
+    if r.status_code >= 400:
+        raise RuntimeError(f"{what} failed with HTTP {r.status_code}: {r.text[:500]}")
+    return r.json()
+
+
+def _set_up_tenants(admin: httpx.Client, workload: Workload, adapter_dirs: dict[str, Path]) -> dict[str, str]:
+    """One unlimited tenant and key per workload tenant; each adapter uploaded to the tenants using it.
+    Returns tenant name -> key."""
+    keys = {}
+    for name in sorted({r.tenant for r in workload.requests}):
+        tenant = _check(
+            admin.post("/admin/tenants", json={"name": name, "quota": UNLIMITED}), f"tenant {name}"
+        )
+        key = _check(
+            admin.post(f"/admin/tenants/{tenant['id']}/keys", json={"name": "bench"}), f"key of {name}"
+        )
+        keys[name] = key["key"]
+    for tenant, adapter in sorted(
+        {(r.tenant, r.adapter) for r in workload.requests if r.adapter is not None}
+    ):
+        directory = Path(adapter_dirs[adapter])
+        files = [("file", (n, (directory / n).read_bytes())) for n in ADAPTER_FILES]
+        r = admin.post("/v1/adapters", data={"name": adapter}, files=files, headers=_auth(keys[tenant]))
+        _check(r, f"upload of {adapter} for {tenant}")
+    return keys
+
+
+async def _bench(
+    url: str, admin_key: str, keys: dict[str, str], base_model: str, workload: Workload
+) -> tuple[list[RequestRecord], RunStats]:
+    import openai
+
+    clients = {}
+    for tenant, key in keys.items():
+        n = sum(r.tenant == tenant for r in workload.requests) + 8  # every request in flight at once
+        http = openai.DefaultAsyncHttpxClient(
+            limits=httpx.Limits(max_connections=n, max_keepalive_connections=n), **LOCAL
+        )
+        clients[tenant] = openai.AsyncOpenAI(
+            base_url=url + "/v1", api_key=key, max_retries=0, timeout=REQUEST_TIMEOUT, http_client=http
+        )
+    try:
+        one_each = {(r.tenant, r.adapter): r for r in workload.requests}  # per tenant and model
+        warm = [BenchRequest(0.0, r.tenant, r.adapter, r.prompt_token_ids[:4], 2) for r in one_each.values()]
+        for rec in await asyncio.gather(
+            *(_stream(clients[r.tenant], base_model, r, time.perf_counter()) for r in warm)
+        ):
+            if not rec.ok:
+                raise RuntimeError(f"warm-up of {rec.adapter or base_model} failed: {rec.error}")
+        async with httpx.AsyncClient(base_url=url, headers=_auth(admin_key), **LOCAL) as admin:
+            before = (await admin.get("/admin/engine")).raise_for_status().json()
+            start = time.perf_counter()
+            records = await asyncio.gather(
+                *(_stream(clients[r.tenant], base_model, r, start) for r in workload.requests)
+            )
+            after = (await admin.get("/admin/engine")).raise_for_status().json()
+    finally:
+        for client in clients.values():
+            await client.close()
+    return list(records), _run_stats(before, after)
+
+
+async def _stream(client, base_model: str, r: BenchRequest, start: float) -> RequestRecord:
+    """Send `r` at start + arrival_s and read its stream; every failure becomes the record's error."""
+    rec = RequestRecord(r.arrival_s, None, None, r.prompt_len, 0, r.adapter)
+    await asyncio.sleep(max(0.0, start + r.arrival_s - time.perf_counter()))
+    pieces, finish_reason, usage = [], None, None
+    try:
+        stream = await client.completions.create(
+            model=r.adapter or base_model,
+            prompt=r.prompt_token_ids,
+            max_tokens=r.output_len,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        async for chunk in stream:
+            for choice in chunk.choices:
+                if rec.first_token_s is None and (choice.text or choice.finish_reason):
+                    rec.first_token_s = time.perf_counter() - start
+                pieces.append(choice.text or "")
+                finish_reason = choice.finish_reason or finish_reason
+            usage = chunk.usage or usage
+        rec.finish_s = time.perf_counter() - start
+    except Exception as exc:  # any failure is the request's, never the run's
+        rec.error = f"{type(exc).__name__}: {exc}"
+        return rec
+    rec.text = "".join(pieces)
+    if usage is None or finish_reason is None:
+        rec.error = "the stream ended without a finish_reason and a usage chunk"
+    else:
+        rec.num_output_tokens = usage.completion_tokens
+    return rec
+
+
+def _run_stats(before: dict, after: dict) -> RunStats:
+    """Differences of the engine's counters over the timed run (GET /admin/engine)."""
+
+    def delta(*path: str) -> int | None:
+        a, b = after, before
+        for key in path:
+            a, b = a.get(key) if isinstance(a, dict) else None, b.get(key) if isinstance(b, dict) else None
+        return None if a is None or b is None else a - b
+
+    return RunStats(
+        num_steps=delta("num_steps") or 0,
+        num_batched_rows=delta("num_batched_rows") or 0,
+        adapter_hits=delta("adapters", "tiers", "gpu", "hits"),
+        adapter_misses=delta("adapters", "tiers", "gpu", "misses"),
+        num_preemptions=delta("num_preemptions"),
+    )

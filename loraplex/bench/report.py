@@ -1,0 +1,171 @@
+"""Write a `loraplex bench` run as Markdown tables and PNG plots (matplotlib), with the machine and command."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+from loraplex.bench.metrics import Summary
+
+NAMES = {
+    "engine": "loraplex, continuous batching",
+    "static": "loraplex, static batching",
+    "peft": "transformers + PEFT generate(adapter_names)",
+    "base": "loraplex, base model only",
+    "http": "loraplex over HTTP (openai client, streaming)",
+}
+COMPARISONS = (  # (a, b, what the ratio a/b says)
+    ("engine", "static", "continuous vs static batching"),
+    ("engine", "peft", "engine vs transformers + PEFT"),
+    ("engine", "base", "multi-adapter vs base-only"),
+    ("http", "engine", "HTTP gateway vs in-process"),
+)
+
+
+def _f(x: float | None, digits: int = 2) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def _ms(x: float | None) -> str:
+    return "–" if x is None else f"{x * 1e3:.0f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "–" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
+
+
+def machine() -> str:
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or "unknown CPU"
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"
+    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB{gpu}; torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads); Python {platform.python_version()}")
+
+
+def commit() -> str:
+    out = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def summary_table(rows: list[tuple[str, Summary]]) -> list[str]:
+    lines = ["| system | req/s | output tok/s | goodput req/s | TTFT p50 / p90 / p99 s | TPOT p50 / p90 / p99 ms "
+             "| E2E p50 / p99 s | mean batch | adapter hit rate | MFU |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for label, s in rows:
+        lines.append(
+            f"| {label} | {s.requests_per_s:.2f} | {s.output_tokens_per_s:.1f} | {s.goodput:.2f} | "
+            f"{_f(s.ttft[50])} / {_f(s.ttft[90])} / {_f(s.ttft[99])} | "
+            f"{_ms(s.tpot[50])} / {_ms(s.tpot[90])} / {_ms(s.tpot[99])} | {_f(s.e2e[50])} / {_f(s.e2e[99])} | "
+            f"{_f(s.stats.mean_batch_size, 1)} | {_f(s.stats.adapter_hit_rate)} | "
+            f"{'–' if s.mfu is None else f'{s.mfu:.1%}'} |")
+    return lines
+
+
+def ratio_table(main: dict[str, Summary]) -> list[str]:
+    lines = ["| comparison (a / b) | throughput | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for a, b, what in COMPARISONS:
+        if a in main and b in main:
+            x, y = main[a], main[b]
+            lines.append(f"| {what} | {_ratio(x.output_tokens_per_s, y.output_tokens_per_s)} | "
+                         f"{_ratio(x.ttft[50], y.ttft[50])} | {_ratio(x.ttft[99], y.ttft[99])} | "
+                         f"{_ratio(x.tpot[50], y.tpot[50])} | {_ratio(x.tpot[99], y.tpot[99])} |")
+    return lines
+
+
+def _plot(path: Path, series: dict[str, tuple[list[float], list[float]]], xlabel: str, ylabel: str,
+          logx: bool = False) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=110)
+    for label, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=label)
+    if logx:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write(out: Path, bench, *, command: str, elapsed_s: float) -> None:
+    """Write the report of `bench` (a finished `loraplex.bench.run.Bench`) to `out`, plots beside it."""
+    out = Path(out)
+    plots = out.with_suffix("")
+    plots.mkdir(parents=True, exist_ok=True)
+    p, results = bench.preset, bench.results
+    main = {e.system: e.summary for e in results if e.group == "main"}
+    spec = next((e.spec for e in results if e.group == "main"), None)
+    lines = [f"# Serving benchmark: {out.stem}", "",
+             f"- date {datetime.datetime.now().isoformat(timespec='seconds')}, commit `{commit()}`, "
+             f"whole run {elapsed_s / 60:.1f} min",
+             f"- machine: {machine()}",
+             f"- matmul peak measured in this run: {bench.peak / 1e9:.0f} GFLOP/s ({bench.dtype}); "
+             f"MFU = 2 x {bench.flops_per_token / 2e6:.0f}M params x (prompt + output tokens) / s / peak",
+             f"- model `{p.model}` ({p.load_format} weights, {bench.dtype}); max_loras {p.max_loras}, "
+             f"max_cpu_loras {p.max_cpu_loras}, max_num_seqs {p.max_num_seqs}; PEFT batches of {p.peft_batch_size}",
+             f"- SLO for goodput: {p.slo}", f"- command: `{command}`", ""]
+    if spec is not None:
+        lines += [f"Main workload ({spec.setting}): n = {spec.num_adapters} adapters over {spec.num_tenants} "
+                  f"tenants, Zipf alpha {spec.alpha:g}, gamma arrivals R = {spec.rate:g} req/s cv {spec.cv:g} for "
+                  f"{spec.duration_s:g} s, prompts U[{spec.prompt_len[0]}, {spec.prompt_len[1]}) and outputs "
+                  f"U[{spec.output_len[0]}, {spec.output_len[1]}) tokens, seed {spec.seed}. Every system gets the "
+                  "same requests at the same times, decodes greedily and ignores EOS.", ""]
+    lines += ["## Side by side", ""]
+    lines += summary_table([(NAMES[k], v) for k, v in main.items()])
+    lines += ["", *ratio_table(main), ""]
+    engine = next((e for e in results if e.group == "main" and e.system == "engine"), None)
+    peft = next((e for e in results if e.group == "main" and e.system == "peft"), None)
+    if engine and peft:
+        same = sum(a.token_ids == b.token_ids for a, b in zip(engine.records, peft.records, strict=True))
+        lines += [f"Greedy outputs equal to PEFT's, token for token: {same} of {len(engine.records)} requests "
+                  f"({bench.dtype}; fp32 runs match exactly, bf16 rounding may flip near-ties).", ""]
+
+    rate = [e for e in results if e.group == "rate"]
+    if rate:
+        lines += ["## Rate sweep", "", "![throughput vs R](" + f"{plots.name}/throughput_vs_rate.png)",
+                  "![p99 TTFT vs R](" + f"{plots.name}/ttft_p99_vs_rate.png)", ""]
+        lines += summary_table([(f"R = {e.spec.rate:g}: {e.system}", e.summary) for e in rate])
+        by_system: dict[str, tuple[list[float], list[float], list[float]]] = {}
+        for e in rate:
+            xs, tput, ttft = by_system.setdefault(e.system, ([], [], []))
+            xs.append(e.spec.rate)
+            tput.append(e.summary.requests_per_s)
+            ttft.append(e.summary.ttft[99] or float("nan"))
+        _plot(plots / "throughput_vs_rate.png", {NAMES[k]: (v[0], v[1]) for k, v in by_system.items()},
+              "arrival rate R (req/s)", "throughput (req/s)")
+        _plot(plots / "ttft_p99_vs_rate.png", {NAMES[k]: (v[0], v[2]) for k, v in by_system.items()},
+              "arrival rate R (req/s)", "p99 TTFT (s)")
+        lines.append("")
+
+    sweep = [e for e in results if e.group == "adapters"]
+    if sweep:
+        lines += ["## Number of adapters", "", "![throughput vs n](" + f"{plots.name}/throughput_vs_adapters.png)", ""]
+        lines += summary_table([(f"n = {e.spec.num_adapters}", e.summary) for e in sweep])
+        series = {NAMES["engine"]: ([e.spec.num_adapters for e in sweep], [e.summary.output_tokens_per_s for e in sweep])}
+        if "base" in main:
+            series[NAMES["base"]] = (series[NAMES["engine"]][0], [main["base"].output_tokens_per_s] * len(sweep))
+        _plot(plots / "throughput_vs_adapters.png", series, "distinct adapters n", "output tokens/s", logx=True)
+        lines.append("")
+
+    alpha = [e for e in results if e.group == "alpha"]
+    if alpha:
+        lines += ["## Popularity and ranks (S1: one rank; S2: ranks 8, 16, 32, 64)", ""]
+        lines += summary_table([(f"{e.spec.setting}, n = {e.spec.num_adapters}, alpha = {e.spec.alpha:g}", e.summary)
+                                for e in alpha])
+        lines.append("")
+    out.write_text("\n".join(lines) + "\n")

@@ -1,0 +1,222 @@
+"""`loraplex bench`: run a preset of S-LoRA-style experiments side by side and write one report.
+
+    loraplex bench --preset small                 # under 10 minutes on 2 CPU cores -> docs/benchmarks/small.md
+    loraplex bench --preset full --out docs/benchmarks/full.md
+    loraplex bench --preset gpu-s1                # Llama-2-7B shapes, dummy weights, on a GPU
+    loraplex bench --preset small --trace my.jsonl  # replay a trace instead of the main workload
+
+A preset is one main workload (setting S1, n adapters, Zipf alpha, rate R) that every system runs
+with the same prompts, then three sweeps of our engine: R (with static batching and base-only beside
+it), n, and alpha x {S1, S2}. Adapters are random PEFT LoRA adapters on q/k/v/o (the same compute as
+trained ones); names are distinct adapters to the engine, their files cycle over at most
+`num_files` directories to bound disk use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from loraplex.bench import report
+from loraplex.bench.metrics import SLO, RequestRecord, RunStats, Summary, matmul_peak_flops, summarize
+from loraplex.bench.workload import Workload, WorkloadSpec, generate, read_trace
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass
+class Preset:
+    """What one `loraplex bench` run measures. Lengths in tokens, rates in requests/s, times in seconds."""
+
+    model: str = "smollm2-135m-instruct"
+    load_format: str = "auto"
+    dtype: str = "auto"
+    main: WorkloadSpec = field(default_factory=WorkloadSpec)
+    systems: tuple[str, ...] = ("engine", "static", "peft", "base", "http")
+    rates: tuple[float, ...] = (2.0, 4.0, 8.0, 16.0)
+    num_adapters: tuple[int, ...] = (1, 8, 64, 512)
+    alphas: tuple[float, ...] = (0.1, 1.0)
+    max_loras: int = 8
+    max_cpu_loras: int = 64
+    max_num_seqs: int = 64
+    peft_batch_size: int = 16
+    num_files: int = 64
+    slo: SLO = field(default_factory=SLO)
+
+
+def _small() -> Preset:
+    main = WorkloadSpec(num_adapters=8, alpha=1.0, rate=8.0, duration_s=10.0, prompt_len=(8, 64),
+                        output_len=(8, 64), num_tenants=4)
+    return Preset(main=main)
+
+
+def _full() -> Preset:
+    main = WorkloadSpec(num_adapters=64, alpha=1.0, rate=2.0, duration_s=60.0, prompt_len=(8, 512),
+                        output_len=(8, 512), num_tenants=16)
+    return Preset(main=main, rates=(0.5, 1.0, 2.0, 4.0), peft_batch_size=16, slo=SLO(ttft_s=10.0, tpot_s=0.2))
+
+
+def _gpu_s1() -> Preset:
+    main = WorkloadSpec(num_adapters=64, alpha=1.0, rate=8.0, duration_s=60.0, prompt_len=(8, 512),
+                        output_len=(8, 512), vocab_size=32000, num_tenants=16)
+    return Preset(model="llama-2-7b", load_format="dummy", dtype="bfloat16", main=main,
+                  systems=("engine", "static", "base"), rates=(2.0, 4.0, 8.0, 16.0, 32.0),
+                  max_loras=32, max_cpu_loras=256, max_num_seqs=256, slo=SLO(ttft_s=1.0, tpot_s=0.1))
+
+
+PRESETS = {"small": _small, "full": _full, "gpu-s1": _gpu_s1}
+
+
+@dataclass
+class Experiment:
+    """One (workload, system) pair measured, and where in the report it belongs."""
+
+    group: str
+    spec: WorkloadSpec | None
+    system: str
+    summary: Summary
+    records: list[RequestRecord]
+
+
+class Bench:
+    """Holds the engine, the adapters on disk and the results of one `loraplex bench` run."""
+
+    def __init__(self, preset: Preset, workdir: Path):
+        from loraplex import LLM
+
+        self.preset, self.workdir = preset, workdir
+        self.llm = LLM(preset.model, load_format=preset.load_format, dtype=preset.dtype, max_loras=preset.max_loras,
+                       max_cpu_loras=preset.max_cpu_loras, max_lora_rank=64, max_num_seqs=preset.max_num_seqs)
+        model = self.llm.engine.model
+        self.flops_per_token = 2 * sum(p.numel() for p in model.parameters())
+        self.dtype = self.llm.engine.dtype
+        self.peak = matmul_peak_flops(self.dtype, device=self.llm.engine.device.type)
+        self.results: list[Experiment] = []
+        self.adapter_dirs: dict[str, Path] = {}
+        self._peft = None
+        self.main_workload: Workload | None = None
+
+    # adapters -----------------------------------------------------------------------------------
+    def ensure_adapters(self, spec: WorkloadSpec) -> None:
+        """Write (once per file) and register every adapter the spec can name."""
+        from loraplex.adapters.synthetic import write_random_adapter
+
+        cfg = self.llm.engine.model_config
+        for i, name in enumerate(spec.adapter_names()):
+            if name in self.adapter_dirs:
+                continue
+            rank, file_index = spec.adapter_rank(i), i % self.preset.num_files
+            path = self.workdir / f"{spec.setting}-r{rank}-f{file_index}"
+            if not path.exists():
+                write_random_adapter(path, cfg, r=rank, alpha=2 * rank, targets=TARGETS, seed=file_index)
+            self.llm.load_adapter(name, path)
+            self.adapter_dirs[name] = path
+
+    # systems ------------------------------------------------------------------------------------
+    def measure(self, group: str, spec: WorkloadSpec | None, system: str, workload: Workload) -> Summary:
+        from loraplex.bench import systems
+
+        if workload.adapters:
+            self.ensure_adapters(spec or self.preset.main)
+        t0 = time.perf_counter()
+        if system in ("engine", "static", "base"):
+            work = workload.without_adapters() if system == "base" else workload
+            systems.warm_up_engine(self.llm, work.adapters)
+            records, stats = systems.run_engine(self.llm, work, static=system == "static")
+        elif system == "peft":
+            records, stats = systems.run_peft(self._peft_model(workload), workload,
+                                              batch_size=self.preset.peft_batch_size)
+        elif system == "http":
+            from loraplex.bench.http_client import run_http
+
+            env = {"LORAPLEX_MAX_LORAS": str(self.preset.max_loras), "LORAPLEX_MAX_LORA_RANK": "64",
+                   "LORAPLEX_MAX_NUM_SEQS": str(self.preset.max_num_seqs), "LORAPLEX_DTYPE": self.preset.dtype,
+                   "LORAPLEX_MODEL": self.preset.model}
+            dirs = {name: self.adapter_dirs[name] for name in workload.adapters}
+            records, stats = run_http(workload, dirs, engine_env=env, log_path=self.workdir / "server.log")
+        else:
+            raise ValueError(f"unknown system {system!r}")
+        summary = summarize(system, records, stats, self.preset.slo, self.flops_per_token, self.peak)
+        self.results.append(Experiment(group, spec, system, summary, records))
+        print(f"  {group:<8} {system:<7} {_label(spec):<34} {summary.output_tokens_per_s:8.1f} tok/s  "
+              f"p99 TTFT {_fmt(summary.ttft[99])} s  ({time.perf_counter() - t0:.0f} s)", flush=True)
+        return summary
+
+    def _peft_model(self, workload: Workload):
+        from loraplex.bench.systems import load_peft_model
+        from loraplex.engine.loader import resolve_model
+
+        if self._peft is None:
+            dirs = {name: self.adapter_dirs[name] for name in workload.adapters}
+            self._peft = load_peft_model(resolve_model(self.preset.model), dirs, self.dtype)
+        return self._peft
+
+    # experiments --------------------------------------------------------------------------------
+    def run(self, trace: Workload | None = None) -> None:
+        p = self.preset
+        main = self.main_workload = trace or generate(p.main)
+        spec = None if trace else p.main
+        print(f"main workload: {len(main.requests)} requests, {main.num_output_tokens} output tokens")
+        for system in p.systems:
+            if system in ("peft", "http") and p.load_format == "dummy":
+                continue
+            self.measure("main", spec, system, main)
+        for rate in p.rates:
+            for system in ("engine", "static", "base"):
+                self.measure("rate", replace(p.main, rate=rate), system, generate(replace(p.main, rate=rate)))
+        for n in p.num_adapters:
+            s = replace(p.main, num_adapters=n)
+            self.measure("adapters", s, "engine", generate(s))
+        for setting in ("S1", "S2"):
+            for alpha in p.alphas:
+                s = replace(p.main, num_adapters=max(p.num_adapters), alpha=alpha, setting=setting)
+                self.measure("alpha", s, "engine", generate(s))
+
+
+def _label(spec: WorkloadSpec | None) -> str:
+    if spec is None:
+        return "trace"
+    return f"{spec.setting} n={spec.num_adapters} alpha={spec.alpha:g} R={spec.rate:g}"
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="loraplex bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    ap.add_argument("--out", type=Path, help="report path (default docs/benchmarks/<preset>.md)")
+    ap.add_argument("--trace", type=Path, help="JSONL trace to replay as the main workload")
+    ap.add_argument("--systems", help="comma-separated subset of engine,static,peft,base,http for the main workload")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch CPU threads")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    preset = PRESETS[args.preset]()
+    preset.main = replace(preset.main, seed=args.seed)
+    if args.systems:
+        preset = dataclasses.replace(preset, systems=tuple(args.systems.split(",")))
+    out = args.out or Path("docs/benchmarks") / f"{args.preset}.md"
+    command = "loraplex bench " + shlex.join(argv if argv is not None else sys.argv[1:])
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="loraplex-bench-") as tmp:
+        bench = Bench(preset, Path(tmp))
+        trace = read_trace(args.trace, preset.main.vocab_size) if args.trace else None
+        bench.run(trace)
+        report.write(out, bench, command=command, elapsed_s=time.perf_counter() - started)
+    print(f"report written to {out}")
+    return 0
+
+
+__all__ = ["PRESETS", "Bench", "Experiment", "Preset", "RunStats", "main"]

@@ -1,0 +1,85 @@
+"""`loraplex bench` end to end on the real default model, with a workload small enough for a test."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from loraplex.bench import report
+from loraplex.bench.run import Bench, Preset
+from loraplex.bench.workload import WorkloadSpec
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory, model_path):
+    main = WorkloadSpec(num_adapters=3, rate=20.0, duration_s=0.6, prompt_len=(4, 16), output_len=(2, 8),
+                        num_tenants=2)
+    preset = Preset(dtype="float32", main=main, systems=("engine", "static", "peft", "base"), rates=(10.0,),
+                    num_adapters=(1, 4), alphas=(1.0,), num_files=2, max_loras=4, peft_batch_size=4)
+    b = Bench(preset, tmp_path_factory.mktemp("adapters"))
+    b.run()
+    return b
+
+
+def test_every_system_finishes_every_request_with_the_asked_length(bench):
+    groups = [(e.group, e.system) for e in bench.results]
+    assert groups == [("main", s) for s in ("engine", "static", "peft", "base")] + [
+        ("rate", "engine"), ("rate", "static"), ("rate", "base"), ("adapters", "engine"), ("adapters", "engine"),
+        ("alpha", "engine"), ("alpha", "engine")]
+    main = [e for e in bench.results if e.group == "main"]
+    expected = [r.output_len for r in bench.main_workload.requests]
+    for e in main:
+        assert [r.num_output_tokens for r in e.records] == expected, e.system
+        assert all(r.ok and r.arrival_s <= r.first_token_s <= r.finish_s for r in e.records), e.system
+        assert e.summary.num_ok == len(expected)
+
+
+def test_same_prompts_give_the_same_greedy_tokens_in_every_system(bench):
+    """fp32: continuous, static and PEFT's mixed-adapter generate agree token for token."""
+    engine, static, peft, base = (e.records for e in bench.results[:4])
+    assert [r.token_ids for r in engine] == [r.token_ids for r in peft]
+    assert [r.token_ids for r in engine] == [r.token_ids for r in static]
+    assert [r.adapter for r in engine] != [None] * len(engine) and all(r.adapter is None for r in base)
+    assert [r.token_ids for r in engine] != [r.token_ids for r in base]  # the adapters change the output
+
+
+def test_adapters_sweep_pages_through_slots_and_s2_registers_mixed_ranks(bench):
+    sweep = [e for e in bench.results if e.group == "adapters"]
+    assert [e.spec.num_adapters for e in sweep] == [1, 4]
+    assert all(0 < e.summary.stats.adapter_hit_rate <= 1 for e in sweep)
+    ranks = {json.loads((bench.adapter_dirs[f"s2-lora{i}"] / "adapter_config.json").read_text())["r"]
+             for i in range(4)}
+    assert ranks == {8, 16, 32, 64}
+
+
+def test_report_has_the_tables_ratios_and_plots(bench, tmp_path):
+    out = tmp_path / "tiny.md"
+    report.write(out, bench, command="loraplex bench --preset tiny", elapsed_s=12.0)
+    text = out.read_text()
+    for heading in ("## Side by side", "## Rate sweep", "## Number of adapters", "## Popularity and ranks"):
+        assert heading in text
+    for comparison in ("continuous vs static batching", "engine vs transformers + PEFT", "multi-adapter vs base-only"):
+        assert re.search(rf"\| {re.escape(comparison)} \| \d+\.\d\dx \| \d+\.\d\dx \| \d+\.\d\dx \| \d+\.\d\dx \| \d+\.\d\dx \|",
+                         text), comparison
+    n = len(bench.results[0].records)
+    assert f"token for token: {n} of {n} requests" in text
+    assert "command: `loraplex bench --preset tiny`" in text and "GFLOP/s" in text
+    for png in ("throughput_vs_rate", "ttft_p99_vs_rate", "throughput_vs_adapters"):
+        data = (tmp_path / "tiny" / f"{png}.png").read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+        assert f"(tiny/{png}.png)" in text
+
+
+def test_cli_help_lists_the_presets():
+    out = subprocess.run([sys.executable, "-m", "loraplex.cli", "bench", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "{full,gpu-s1,small}" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "loraplex.cli", "bench", "--preset", "nope"], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "invalid choice: 'nope'" in bad.stderr

@@ -1,0 +1,126 @@
+"""The benchmark's workload generator, trace replay and metric definitions (no model needed)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from loraplex.bench.metrics import SLO, RequestRecord, RunStats, percentile, summarize
+from loraplex.bench.workload import WorkloadSpec, generate, read_trace, write_trace
+
+
+def gaps(workload) -> list[float]:
+    times = [0.0] + [r.arrival_s for r in workload.requests]
+    return [b - a for a, b in zip(times, times[1:], strict=False)]
+
+
+def test_same_seed_same_workload_and_a_new_seed_differs():
+    spec = WorkloadSpec(num_adapters=8, num_requests=50, rate=4.0)
+    assert generate(spec).requests == generate(spec).requests
+    other = generate(WorkloadSpec(num_adapters=8, num_requests=50, rate=4.0, seed=1)).requests
+    assert other != generate(spec).requests
+
+
+@pytest.mark.parametrize("cv", [1.0, 3.0])
+def test_arrivals_have_the_asked_rate_and_burstiness(cv):
+    w = generate(WorkloadSpec(num_adapters=1, num_requests=20000, rate=5.0, cv=cv, prompt_len=(1, 2),
+                              output_len=(1, 2)))
+    g = gaps(w)
+    assert statistics.fmean(g) == pytest.approx(1 / 5.0, rel=0.05)
+    assert statistics.pstdev(g) / statistics.fmean(g) == pytest.approx(cv, rel=0.1)
+
+
+def test_duration_bounds_the_workload_and_lengths_stay_in_range():
+    w = generate(WorkloadSpec(num_adapters=4, rate=10.0, duration_s=20.0, prompt_len=(8, 16), output_len=(3, 5)))
+    assert 150 < len(w.requests) < 250  # about rate x duration = 200
+    assert max(r.arrival_s for r in w.requests) <= 20.0
+    assert {r.prompt_len for r in w.requests} <= set(range(8, 16))
+    assert {r.output_len for r in w.requests} == {3, 4}
+    assert all(100 <= t < 49152 for r in w.requests for t in r.prompt_token_ids)
+
+
+def test_popularity_follows_the_power_law():
+    zipf = Counter(r.adapter for r in generate(WorkloadSpec(num_adapters=4, alpha=1.0, num_requests=20000,
+                                                            prompt_len=(1, 2), output_len=(1, 2))).requests)
+    expected = np.array([1, 1 / 2, 1 / 3, 1 / 4]) / sum([1, 1 / 2, 1 / 3, 1 / 4])
+    got = np.array([zipf[f"lora{i}"] for i in range(4)]) / 20000
+    assert np.allclose(got, expected, atol=0.01)
+    uniform = Counter(r.adapter for r in generate(WorkloadSpec(num_adapters=4, alpha=0.0, num_requests=20000,
+                                                               prompt_len=(1, 2), output_len=(1, 2))).requests)
+    assert max(uniform.values()) / min(uniform.values()) < 1.1
+
+
+def test_s2_names_and_ranks_and_tenants():
+    spec = WorkloadSpec(num_adapters=6, setting="S2", num_tenants=2)
+    assert spec.adapter_names()[:2] == ["s2-lora0", "s2-lora1"]
+    assert [spec.adapter_rank(i) for i in range(6)] == [8, 16, 32, 64, 8, 16]
+    assert WorkloadSpec(rank=16).adapter_rank(3) == 16
+    assert [spec.tenant_of(i) for i in range(3)] == ["tenant0", "tenant1", "tenant0"]
+
+
+@pytest.mark.parametrize("bad", [dict(rate=0), dict(cv=0), dict(prompt_len=(5, 5)), dict(output_len=(0, 3)),
+                                 dict(setting="S3"), dict(num_adapters=-1), dict(rate=float("inf"))])
+def test_bad_specs_are_refused(bad):
+    with pytest.raises(ValueError):
+        WorkloadSpec(**bad)
+
+
+def test_infinite_rate_puts_every_arrival_at_zero():
+    w = generate(WorkloadSpec(num_requests=5, rate=float("inf")))
+    assert [r.arrival_s for r in w.requests] == [0.0] * 5
+
+
+def test_trace_round_trip_and_prompt_len_lines(tmp_path):
+    w = generate(WorkloadSpec(num_adapters=3, num_requests=10, prompt_len=(2, 6), output_len=(1, 4)))
+    path = tmp_path / "trace.jsonl"
+    write_trace(w, path)
+    assert read_trace(path).requests == w.requests
+    path.write_text(json.dumps({"arrival_s": 1.5, "prompt_len": 7, "output_len": 3}) + "\n\n"
+                    + json.dumps({"arrival_s": 0.5, "tenant": "t", "adapter": "a", "prompt_token_ids": [5, 6],
+                                  "output_len": 2}) + "\n")
+    first, second = read_trace(path).requests
+    assert (first.arrival_s, first.adapter, first.prompt_token_ids) == (0.5, "a", [5, 6])
+    assert (second.arrival_s, second.tenant, second.adapter, second.prompt_len) == (1.5, "tenant0", None, 7)
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"arrival_s": 0}', "bad trace line"),
+    ("not json", "bad trace line"),
+    ('{"arrival_s": -1, "prompt_len": 3, "output_len": 2}', "arrival_s >= 0"),
+    ('{"arrival_s": 0, "prompt_token_ids": [], "output_len": 2}', "non-empty prompt"),
+])
+def test_bad_trace_lines_name_the_line(tmp_path, line, message):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"arrival_s": 0, "prompt_len": 3, "output_len": 2}\n' + line + "\n")
+    with pytest.raises(ValueError, match=rf"t.jsonl:2: .*{message}"):
+        read_trace(path)
+
+
+def test_percentile_matches_numpy():
+    xs = [0.3, 0.1, 0.9, 0.5, 0.7, 2.0, 0.05]
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert percentile([], 50) is None
+
+
+def test_summary_definitions():
+    records = [
+        RequestRecord(arrival_s=0.0, first_token_s=0.5, finish_s=1.5, num_prompt_tokens=10, num_output_tokens=11),
+        RequestRecord(arrival_s=1.0, first_token_s=3.0, finish_s=4.0, num_prompt_tokens=5, num_output_tokens=2),
+        RequestRecord(arrival_s=1.0, first_token_s=None, finish_s=None, num_prompt_tokens=5, num_output_tokens=0,
+                      error="HTTP 500"),
+    ]
+    assert records[0].ttft_s == 0.5 and records[0].tpot_s == pytest.approx(0.1) and records[0].e2e_s == 1.5
+    assert records[1].tpot_s == pytest.approx(1.0)
+    s = summarize("x", records, RunStats(num_steps=4, num_batched_rows=10, adapter_hits=3, adapter_misses=1),
+                  SLO(ttft_s=1.0, tpot_s=0.2), flops_per_token=100.0, peak_flops=1000.0)
+    assert (s.num_requests, s.num_ok, s.duration_s) == (3, 2, 4.0)
+    assert s.requests_per_s == pytest.approx(0.5) and s.output_tokens_per_s == pytest.approx(13 / 4)
+    assert s.goodput == pytest.approx(1 / 4)  # only the first meets TTFT <= 1 s and TPOT <= 200 ms
+    assert s.ttft[50] == pytest.approx(1.25) and s.e2e[99] == pytest.approx(1.5 + 0.99 * 1.5)
+    assert s.stats.mean_batch_size == 2.5 and s.stats.adapter_hit_rate == 0.75
+    assert s.mfu == pytest.approx(100.0 * (10 + 11 + 5 + 2) / 4.0 / 1000.0)
