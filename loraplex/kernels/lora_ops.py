@@ -102,7 +102,7 @@ def _pick_backend(x: torch.Tensor, meta: LoRAMeta) -> str:
         return _backend
     if x.is_cuda:
         return "triton"
-    if meta.slot_ranks is not None and meta.num_segments > 1:
+    if meta.slot_ranks is not None:
         n = sum(meta.slot_ranks[s] for s in meta.seg_slots_list)
         if n <= PACKED_MAX_COLUMNS and meta.num_tokens * n <= PACKED_MAX_ROW_COLUMNS:
             return "packed"

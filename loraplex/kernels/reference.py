@@ -15,6 +15,10 @@ import torch
 
 from loraplex.kernels.metadata import LoRAMeta
 
+# One block-diagonal expand for adjacent slices saves matmul calls but multiplies k x the FLOPs; on a
+# 2-core CPU it pays while N (columns per slice) is small.
+BLOCK_DIAGONAL_MAX_COLUMNS = 32
+
 
 def lora_shrink_ref(x: torch.Tensor, A: torch.Tensor, ranks: list[int], meta: LoRAMeta,
                     v: torch.Tensor) -> torch.Tensor:
@@ -77,39 +81,70 @@ def _packed_columns(meta: LoRAMeta, device: torch.device):
         # mask[i, n]: column n belongs to the slot of row i (of rows[i] when rows is given).
         mask = (slot_ids if rows is None else slot_ids[rows])[:, None] == s_t[None, :]  # [T_a, N]
         meta._packed = {"s": s_t, "r": torch.tensor(r_idx, dtype=torch.int64, device=device), "mask": mask,
-                        "rows": rows}
+                        "rows": rows, "all_same": len(meta.seg_slots_list) == 1}
     return meta._packed
 
 
 def add_lora_packed(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
                     offsets: list[int]) -> torch.Tensor:
-    """CPU fast path: all active adapters' A rows in one matmul, masked per row, one expand matmul.
+    """CPU fast path: every slice's active A rows in one shrink matmul, masked per row, and one expand
+    matmul per slice (one for all slices when their outputs are adjacent in y).
 
-    Two matmuls per slice however many adapters are in the step, at the price of computing every
+    Two matmuls per projection however many adapters are in the step, at the price of computing every
     row against every active adapter's rank (T x N x (H_in + H_out) FLOPs); cheaper than one small
-    matmul pair per segment on a CPU when T is small. Needs `meta.slot_ranks` and slot buffers whose
-    rank padding is zero (the engine's are). Masking is by assignment (`torch.where`) so no value of
-    another adapter, NaN included, reaches a row; only rows with an adapter are read and written, so
-    the others keep their bits (y + 0.0 would turn -0.0 into 0.0).
+    matmul pair per segment on a CPU when T is small. The maths stays in x.dtype (bf16 on a bf16
+    engine, like PEFT on a bf16 model) with the scaling folded into A. Needs `meta.slot_ranks` and slot
+    buffers whose rank padding is zero (the engine's are). Masking is by assignment (`torch.where`) so
+    no value of another adapter, NaN included, reaches a row; only rows with an adapter are read and
+    written, so the others keep their bits (y + 0.0 would turn -0.0 into 0.0).
     """
     cols = _packed_columns(meta, x.device)
     s_idx, r_idx, mask, rows = cols["s"], cols["r"], cols["mask"], cols["rows"]
     xs = x if rows is None else x.index_select(0, rows)  # [T_a, H_in]; every row when rows is None
-    key = (tuple(meta.seg_slots_list), tuple(meta.slot_ranks[s] for s in meta.seg_slots_list))
-    for w, off in zip(slices, offsets, strict=True):
-        # The gathered weights change only when the active slots or their contents do: reuse them
-        # across the steps of a steady batch.
-        if w.packed_cache is None or w.packed_cache[:2] != (key, w.version):
-            a = w.A[s_idx, r_idx].contiguous()  # [N, H_in]
-            b = w.B[s_idx, :, r_idx].contiguous()  # [N, H_out]
-            col_scale = w.scales[s_idx].to(w.A.dtype)  # [N]
-            w.packed_cache = (key, w.version, a, b, col_scale)
-        _, _, a, b, col_scale = w.packed_cache
-        v = xs @ a.T  # [T_a, N]
-        v = torch.where(mask, v * col_scale.to(v.dtype), torch.zeros((), dtype=v.dtype))
-        delta = (v @ b).to(y.dtype)  # [T_a, H_out]
+    a, bs = _packed_weights(slices, meta, s_idx, r_idx)
+    v = xs @ a.T  # [T_a, k N], k = len(slices)
+    if not cols["all_same"]:
+        key = ("mask", len(slices))
+        if key not in cols:
+            cols[key] = mask.repeat(1, len(slices))  # [T_a, k N]
+        v = torch.where(cols[key], v, torch.zeros((), dtype=v.dtype))
+    adjacent = all(o + b.shape[1] == nxt for o, b, nxt in zip(offsets, bs, offsets[1:], strict=False))
+    if len(slices) > 1 and adjacent and a.shape[0] // len(slices) <= BLOCK_DIAGONAL_MAX_COLUMNS:
+        bs = [_block_diagonal(bs, slices)]
+        offsets = offsets[:1]
+    n = v.shape[1] // len(bs)
+    for i, (b, off) in enumerate(zip(bs, offsets, strict=True)):
+        delta = (v[:, i * n:(i + 1) * n] @ b).to(y.dtype)  # [T_a, H_out]
         if rows is None:
             y[:, off:off + b.shape[1]] += delta
         else:
             y[:, off:off + b.shape[1]].index_add_(0, rows, delta)
     return y
+
+
+def _packed_weights(slices, meta: LoRAMeta, s_idx: torch.Tensor, r_idx: torch.Tensor):
+    """The active slots' A rows of every slice, scaled and stacked ([k N, H_in]), and each slice's B
+    columns ([N, H_out] each). Cached on the first slice: they change only when the active slots or
+    their contents do, so a steady batch reuses them step after step."""
+    key = (tuple(meta.seg_slots_list), tuple(meta.slot_ranks[s] for s in meta.seg_slots_list),
+           tuple((id(w), w.version) for w in slices))
+    w0 = slices[0]
+    if w0.packed_cache is None or w0.packed_cache[0] != key:
+        a = torch.cat([w.A[s_idx, r_idx] * w.scales[s_idx].to(w.A.dtype)[:, None] for w in slices])
+        bs = [w.B[s_idx, :, r_idx].contiguous() for w in slices]
+        w0.packed_cache = (key, a.contiguous(), bs, {})
+    return w0.packed_cache[1], w0.packed_cache[2]
+
+
+def _block_diagonal(bs: list[torch.Tensor], slices) -> torch.Tensor:
+    """[k N, sum H_out]: slice i's B in rows i*N.. and its own output columns, zeros elsewhere."""
+    extra = slices[0].packed_cache[3]
+    if "bd" not in extra:
+        n, width = bs[0].shape[0], sum(b.shape[1] for b in bs)
+        bd = bs[0].new_zeros(n * len(bs), width)
+        col = 0
+        for i, b in enumerate(bs):
+            bd[i * n:(i + 1) * n, col:col + b.shape[1]] = b
+            col += b.shape[1]
+        extra["bd"] = bd
+    return extra["bd"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 from lora_cases import DEVICE, POPULARITIES, assert_matches, make_case
 
-from loraplex.kernels import lora_ops
+from loraplex.kernels import lora_ops, reference
 from loraplex.kernels.metadata import build_lora_meta
 from loraplex.kernels.reference import add_lora_packed, add_lora_segmented
 
@@ -36,6 +36,16 @@ def test_fused_qkv_gqa(path):
     case = make_case(24, "uniform", 6, torch.bfloat16, 576, [576, 192, 192],
                      "nan" if path == "segmented" else "zero", seed=7)
     _run(path, case)
+
+
+@pytest.mark.parametrize("block_diagonal_max", [0, 1024])
+@pytest.mark.parametrize("popularity", ["identical", "skewed", "uniform"])
+def test_packed_fused_slices_one_or_many_expands(monkeypatch, block_diagonal_max, popularity):
+    """Adjacent slices (fused q/k/v) expand through one block-diagonal matmul or one matmul each."""
+    monkeypatch.setattr(reference, "BLOCK_DIAGONAL_MAX_COLUMNS", block_diagonal_max)
+    case = make_case(40, popularity, 3, torch.float32, 96, [96, 32, 32], "zero", seed=11)
+    _run("packed", case)
+    _run("packed", case)  # second call: weights from the cache
 
 
 def test_dispatch_auto_and_forced(monkeypatch):
