@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from loraplex.adapters.peft import AdapterError
 from loraplex.engine.request import SamplingParams
-from loraplex.platform import crud
+from loraplex.platform import crud, tenant_adapters
 from loraplex.platform.api.deps import QuotaGate
 from loraplex.platform.engine import Generation, engine_adapter_name
 from loraplex.platform.errors import APIError, invalid_request, model_not_found
@@ -61,14 +61,23 @@ async def resolve_model(gw: Gateway, tenant_id: int, plan: Plan) -> None:
 
     def lookup():
         with gw.sessions() as s:
-            return crud.get_adapter(s, tenant_id, model)
+            row = crud.get_adapter(s, tenant_id, model)
+        if row is None:
+            return None, None
+        try:
+            return row, tenant_adapters.adapter_dir(gw, row)
+        except KeyError:
+            return row, None
 
-    row = await asyncio.to_thread(lookup)
+    row, path = await asyncio.to_thread(lookup)
     if row is None:
         raise model_not_found(model)
+    if path is None:
+        raise APIError(500, f"The adapter `{row.name}` could not be loaded: its files are missing.",
+                       type="server_error", code="adapter_load_failed")
     plan.adapter = row.name
     plan.engine_adapter = engine_adapter_name(tenant_id, row.name, row.digest)
-    plan.adapter_path = str(gw.files.path(row.digest))
+    plan.adapter_path = str(path)
 
 
 def check_lengths(gw: Gateway, plan: Plan, default_max_tokens: int) -> None:

@@ -119,8 +119,8 @@ def adapter_totals(s: Session, tenant_id: int) -> tuple[int, int]:
     return int(n), int(size)
 
 
-def is_digest_referenced(s: Session, digest: str) -> bool:
-    return s.scalar(select(func.count()).where(Adapter.digest == digest)) > 0
+def adapters_with_digest(s: Session, digest: str) -> list[Adapter]:
+    return list(s.scalars(select(Adapter).where(Adapter.digest == digest).order_by(Adapter.id)).all())
 
 
 # usage ------------------------------------------------------------------------------------------

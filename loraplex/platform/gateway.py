@@ -1,5 +1,5 @@
 """The gateway's long-lived parts, built once per app in its lifespan: database, engine, quota counters,
-usage writer, metrics and adapter files. Routes reach them through `api/deps.py`."""
+usage writer, metrics and adapter store. Routes reach them through `api/deps.py`."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from loraplex.adapters.store import AdapterStore
 from loraplex.platform import crud, db
-from loraplex.platform.adapter_files import AdapterFiles
 from loraplex.platform.config import QuotaDefaults, Settings
 from loraplex.platform.engine import EngineService
 from loraplex.platform.metrics import Metrics
 from loraplex.platform.quotas.memory import MemoryBackend
 from loraplex.platform.quotas.service import QuotaService
+from loraplex.platform.tenant_adapters import adopt_legacy_files
 from loraplex.platform.usage import UsageWriter, tokens_since
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ class Gateway:
     quotas: QuotaService
     usage: UsageWriter
     metrics: Metrics
-    files: AdapterFiles
+    store: AdapterStore
     owns_engine: bool = True
     started_at: int = field(default_factory=lambda: int(time.time()))
     background: set[asyncio.Task] = field(default_factory=set)
@@ -62,8 +63,9 @@ def load_engine(settings: Settings) -> EngineService:
 
 
 def open_gateway(settings: Settings, engine: EngineService | None = None, *, migrate: bool = True) -> Gateway:
-    """Apply migrations, make sure an admin key exists (printing a new one once), start the engine
-    (unless one is passed in, which the caller keeps owning) and the usage writer."""
+    """Apply migrations, make sure an admin key exists (printing a new one once), open the adapter store
+    (moving in files of older gateways), start the engine (unless one is passed in, which the caller
+    keeps owning) and the usage writer."""
     settings.home.mkdir(parents=True, exist_ok=True)
     url = settings.sqlalchemy_url
     if migrate:
@@ -75,6 +77,8 @@ def open_gateway(settings: Settings, engine: EngineService | None = None, *, mig
         new_key = crud.ensure_admin_key(s, admin)
     if new_key is not None:
         print(f"\nloraplex: created the admin key (shown once, store it now):\n\n    {new_key}\n", flush=True)
+    store = AdapterStore(settings.adapters_dir)
+    adopt_legacy_files(store, sessions)
     if settings.redis_url:
         from loraplex.platform.quotas.redis_backend import RedisBackend
 
@@ -88,4 +92,4 @@ def open_gateway(settings: Settings, engine: EngineService | None = None, *, mig
         engine = load_engine(settings)
     return Gateway(settings=settings, quota_defaults=QuotaDefaults(), db=db_engine, sessions=sessions,
                    engine=engine, quotas=quotas, usage=UsageWriter(sessions), metrics=Metrics(),
-                   files=AdapterFiles(settings.adapters_dir), owns_engine=owns_engine)
+                   store=store, owns_engine=owns_engine)

@@ -97,7 +97,8 @@ class Quota(Base):
 
 
 class Adapter(Base):
-    """A tenant's adapter. Its files live in the content-addressed store under `digest`."""
+    """A tenant's adapter. `digest` is its files' `loraplex.adapters.store.content_digest`; they are the
+    AdapterStore entry `<name>.<digest[:16]>` of owner `<tenant_id>` (see `tenant_adapters`)."""
 
     __tablename__ = "adapters"
     __table_args__ = (UniqueConstraint("tenant_id", "name"),)

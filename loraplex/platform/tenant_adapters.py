@@ -1,33 +1,40 @@
 """A tenant's adapters: add (validate with the engine's own checks, store, record) and delete.
 
-Shared by `/v1/adapters` and the admin API (and the dashboard of issue 7).
+Shared by `/v1/adapters` and the admin API (and the dashboard of issue 7). The files live in the
+gateway's AdapterStore, owner = tenant id, one entry per version: `<name>.<digest[:16]>` (like the
+engine's `<tenant_id>:<name>:<digest[:16]>`). A deleted adapter keeps its entry until its running
+requests end, so the name is free at once and a re-upload under it never shares an entry with the
+version going away. The database row says what a tenant has; the store shares the bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import re
 import shutil
+import tempfile
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
 
-from loraplex.adapters.peft import SAFETENSORS_NAME, AdapterError, load_peft_files, read_adapter_config
+from loraplex.adapters.peft import CONFIG_NAME, SAFETENSORS_NAME, AdapterError, load_peft_adapter
+from loraplex.adapters.store import AdapterStore, content_digest
 from loraplex.platform import crud
-from loraplex.platform.adapter_files import (
-    UploadError,
-    UploadTooLarge,
-    is_archive,
-    unpack_archive,
-    unpack_files,
-)
 from loraplex.platform.engine import engine_adapter_name
 from loraplex.platform.errors import conflict, insufficient_quota, invalid_request, not_found, too_large
-from loraplex.platform.gateway import Gateway
 from loraplex.platform.models import Adapter
+from loraplex.platform.uploads import UploadError, UploadTooLarge, unpack_upload
 
+if TYPE_CHECKING:
+    from loraplex.platform.gateway import Gateway
+
+logger = logging.getLogger(__name__)
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+LEGACY_DIR_RE = re.compile(r"[0-9a-f]{64}")
 
 
 def check_name(gw: Gateway, name: object) -> str:
@@ -46,17 +53,20 @@ def adapter_body(gw: Gateway, row: Adapter) -> dict:
             "last_used_at": row.last_used_at.isoformat() + "Z" if row.last_used_at else None}
 
 
+def store_name(name: str, digest: str) -> str:
+    return f"{name}.{digest[:16]}"
+
+
+def adapter_dir(gw: Gateway, row: Adapter) -> Path:
+    """The PEFT directory of a row's files. KeyError if the store lacks them."""
+    return gw.store.path(str(row.tenant_id), store_name(row.name, row.digest))
+
+
 def _unpack_and_validate(gw: Gateway, tmp: Path, files: dict[str, BinaryIO]) -> tuple[int, list[str]]:
     """Blocking: unpack into tmp and run the engine's validation; (rank, target modules)."""
-    max_bytes = gw.settings.max_upload_bytes
-    if len(files) == 1 and is_archive(next(iter(files))):
-        filename, f = next(iter(files.items()))
-        unpack_archive(f, filename, tmp, max_bytes)
-    else:
-        unpack_files(files, tmp, max_bytes)
-    config = read_adapter_config(tmp)
+    unpack_upload(files, tmp, gw.settings.max_upload_bytes)
     eng = gw.engine
-    adapter = load_peft_files(config, tmp / SAFETENSORS_NAME, eng.model_config, max_lora_rank=eng.max_lora_rank)
+    adapter = load_peft_adapter(tmp, eng.model_config, max_lora_rank=eng.max_lora_rank)
     return adapter.rank, sorted({module for _, module in adapter.modules})
 
 
@@ -74,16 +84,20 @@ def _check_room(gw: Gateway, tenant_id: int, name: str, num_bytes: int, max_adap
 
 def _store_and_record(gw: Gateway, tenant_id: int, name: str, tmp: Path, rank: int, modules: list[str],
                       max_adapters, max_adapter_bytes) -> Adapter:
-    num_bytes = sum(p.stat().st_size for p in tmp.iterdir())
+    config, tensors = (tmp / CONFIG_NAME).read_bytes(), tmp / SAFETENSORS_NAME
+    num_bytes = len(config) + tensors.stat().st_size
     _check_room(gw, tenant_id, name, num_bytes, max_adapters, max_adapter_bytes)
-    digest, num_bytes = gw.files.store(tmp)
+    digest = content_digest(config, tensors)
+    # Exists: the same bytes under this name, from a deleted version still unloading or a concurrent upload.
+    with contextlib.suppress(FileExistsError):
+        gw.store.put(str(tenant_id), store_name(name, digest), config, tensors)
     try:
         with gw.sessions.begin() as s:
             row = Adapter(tenant_id=tenant_id, name=name, digest=digest, num_bytes=num_bytes, rank=rank,
                           target_modules=modules)
             s.add(row)
     except IntegrityError:  # a concurrent upload of the same name won
-        _collect(gw, digest)
+        _forget(gw, tenant_id, name, digest)
         raise conflict(f"An adapter named `{name}` exists; delete it first.", param="name") from None
     return row
 
@@ -94,7 +108,7 @@ async def add_adapter(gw: Gateway, tenant_id: int, name: str, files: dict[str, B
     nothing is stored. Raises APIError (400 invalid, 409 name taken, 413 too large, 429 over quota)."""
     name = check_name(gw, name)
     await asyncio.to_thread(_check_room, gw, tenant_id, name, 0, None, None)
-    tmp = gw.files.new_upload_dir()
+    tmp = Path(tempfile.mkdtemp(prefix=".upload-", dir=gw.store.root))  # the store's disk, not a small /tmp
     try:
         try:
             rank, modules = await asyncio.to_thread(_unpack_and_validate, gw, tmp, files)
@@ -112,7 +126,7 @@ async def add_adapter(gw: Gateway, tenant_id: int, name: str, files: dict[str, B
 
 async def delete_adapter(gw: Gateway, tenant_id: int, name: str) -> None:
     """Forget the adapter at once for new requests, let running ones finish, then unload it and drop
-    its files if no other adapter shares them."""
+    its store entry (the files go when no other adapter shares them)."""
 
     def delete_row() -> Adapter | None:
         with gw.sessions.begin() as s:
@@ -129,10 +143,34 @@ async def delete_adapter(gw: Gateway, tenant_id: int, name: str) -> None:
 
 async def _unload(gw: Gateway, row: Adapter) -> None:
     await gw.engine.remove_adapter(engine_adapter_name(row.tenant_id, row.name, row.digest))
-    await asyncio.to_thread(_collect, gw, row.digest)
+    await asyncio.to_thread(_forget, gw, row.tenant_id, row.name, row.digest)
 
 
-def _collect(gw: Gateway, digest: str) -> None:
+def _forget(gw: Gateway, tenant_id: int, name: str, digest: str) -> None:
+    """Drop the store entry of this version of `name`, unless the tenant has that version again."""
     with gw.sessions() as s:
-        if not crud.is_digest_referenced(s, digest):
-            gw.files.remove(digest)
+        row = crud.get_adapter(s, tenant_id, name)
+    if row is not None and row.digest == digest:
+        return
+    with contextlib.suppress(KeyError):
+        gw.store.remove(str(tenant_id), store_name(name, digest))
+
+
+def adopt_legacy_files(store: AdapterStore, sessions: sessionmaker[Session]) -> None:
+    """Gateways before the AdapterStore kept each upload at `<store root>/<digest>/`, with digests in the
+    store's format: put them under their rows' store names and drop the old directories. Idempotent."""
+    for old in sorted(store.root.iterdir()):
+        if not (LEGACY_DIR_RE.fullmatch(old.name) and old.is_dir()):
+            continue
+        with sessions() as s:
+            rows = crud.adapters_with_digest(s, old.name)
+        try:
+            config = (old / CONFIG_NAME).read_bytes()
+            for row in rows:
+                with contextlib.suppress(FileExistsError):
+                    store.put(str(row.tenant_id), store_name(row.name, row.digest), config,
+                              old / SAFETENSORS_NAME)
+        except FileNotFoundError:  # another process starting at the same time moved it
+            continue
+        shutil.rmtree(old, ignore_errors=True)
+        logger.info("moved the adapter files %s into the store (%d adapters)", old.name, len(rows))

@@ -10,9 +10,9 @@ from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
 
 from loraplex.platform import crud, tenant_adapters
-from loraplex.platform.adapter_files import UploadTooLarge
 from loraplex.platform.api.deps import CurrentCaller, GatewayDep, SessionDep, TenantQuota
 from loraplex.platform.errors import invalid_request, not_found, too_large
+from loraplex.platform.uploads import UploadTooLarge
 
 router = APIRouter(prefix="/adapters", tags=["adapters"])
 FORM_OVERHEAD = 64 * 1024  # multipart boundaries and headers on top of the files

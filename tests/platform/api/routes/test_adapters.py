@@ -1,22 +1,45 @@
 """/v1/adapters over HTTP: uploads in every accepted form, refusals that store nothing, 413, quotas,
-listing and deletion."""
+listing and deletion, bytes shared between tenants, adapters stored by older versions."""
 
 from __future__ import annotations
 
+import shutil
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
 from sqlalchemy import func, select
 
+from loraplex.adapters.store import content_digest
+from loraplex.platform import crud, db
+from loraplex.platform.config import QuotaDefaults
 from loraplex.platform.models import Adapter
+from tests.platform import factories
 from tests.platform.factories import ADAPTER_FILES, BASE_MODEL, adapter_members, tar_gz_bytes, zip_bytes
 
 pytestmark = pytest.mark.slow
 
 
 def stored(gateway) -> set[str]:
-    return {p.name for p in gateway.files.root.iterdir()}
+    """Digests of the objects in the adapter store."""
+    return {p.name for p in (gateway.store.root / "objects").iterdir()}
+
+
+def everything(gateway) -> set[str]:
+    """Every file and directory under the adapter store's root (uploads are unpacked there too)."""
+    root = gateway.store.root
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def fresh_copy(directory: Path, out: Path) -> Path:
+    """The adapter with bytes no other test uploads (a newline after its config's JSON)."""
+    out.mkdir()
+    for n in ADAPTER_FILES:
+        shutil.copyfile(directory / n, out / n)
+    with open(out / "adapter_config.json", "ab") as f:
+        f.write(b"\n")
+    return out
 
 
 def num_rows(gateway, tenant_id) -> int:
@@ -139,3 +162,73 @@ def test_delete_waits_for_running_requests(make_tenant, peft_adapters, gateway):
     thread.join(timeout=30)
     assert deleted["r"].status_code == 200
     assert text[-1] == "data: [DONE]" and not any('"error"' in line for line in text)
+
+
+def test_same_bytes_from_two_tenants_are_one_object(make_tenant, peft_adapters, gateway, tmp_path):
+    a, b = make_tenant(), make_tenant()
+    adapter = fresh_copy(peft_adapters[0], tmp_path / "fresh")
+    before = stored(gateway)
+    bodies = [t.upload(name, adapter).json() for t, name in ((a, "mine"), (b, "mine"), (b, "again"))]
+    digest = bodies[0]["digest"]
+    assert [body["digest"] for body in bodies] == [digest] * 3
+    assert stored(gateway) == before | {digest}  # one object for the three names
+    assert a.client.delete("/v1/adapters/mine").status_code == 200
+    assert a.chat("mine").status_code == 404
+    for name in ("mine", "again"):  # b's adapters load (for the first time) from the files a shared
+        r = b.chat(name, max_tokens=2)
+        assert r.status_code == 200 and r.json()["model"] == name, r.text
+    assert b.client.delete("/v1/adapters/mine").status_code == 200
+    assert stored(gateway) == before | {digest}
+    assert b.chat("again", max_tokens=2).status_code == 200
+    assert b.client.delete("/v1/adapters/again").status_code == 200
+    assert stored(gateway) == before
+
+
+def test_failed_uploads_leave_no_files(make_tenant, peft_adapters, gateway, tmp_path):
+    adapter = fresh_copy(peft_adapters[0], tmp_path / "fresh")
+    members = adapter_members(adapter)
+    size = sum(len(v) for v in members.values())
+    t = make_tenant(max_adapter_bytes=size - 1)
+    limit = gateway.settings.max_upload_bytes
+    before = everything(gateway)
+    cases = {
+        "invalid adapter": (400, [("file", ("adapter_config.json", members["adapter_config.json"])),
+                                  ("file", ("adapter_model.safetensors", members["adapter_model.safetensors"][:-8]))]),
+        "refused archive member": (400, [("file", ("a.zip", zip_bytes({**members, "../x": b"x"})))]),
+        "unpacks past the limit": (413, [("file", ("a.zip", zip_bytes({
+            "adapter_config.json": members["adapter_config.json"], "adapter_model.safetensors": b"\0" * (limit + 1)})))]),
+        "over the storage quota": (429, [("file", (n, data)) for n, data in members.items()]),
+    }
+    for what, (status, files) in cases.items():
+        r = t.client.post("/v1/adapters", data={"name": "x"}, files=files)
+        assert r.status_code == status, (what, r.text)
+        assert everything(gateway) == before, what
+    assert num_rows(gateway, t.id) == 0
+
+
+def test_adapters_stored_by_an_older_gateway_keep_working(make_settings, start_app, peft_adapters):
+    """Before the AdapterStore, the gateway kept files at <adapters>/<digest>/ with the row's digest."""
+    settings = make_settings()
+    db.upgrade(settings.sqlalchemy_url)
+    engine = db.make_engine(settings.sqlalchemy_url)
+    config = (peft_adapters[0] / "adapter_config.json").read_bytes()
+    digest = content_digest(config, peft_adapters[0] / "adapter_model.safetensors")
+    with db.make_session_factory(engine).begin() as s:
+        tenant = crud.create_tenant(s, "old", QuotaDefaults(), factories.UNLIMITED)
+        _, key = crud.issue_key(s, tenant)
+        s.add(Adapter(tenant_id=tenant.id, name="kept", digest=digest, num_bytes=123, rank=8,
+                      target_modules=["o_proj", "q_proj", "v_proj"]))
+    engine.dispose()
+    old = settings.adapters_dir / digest
+    old.mkdir(parents=True)
+    for n in ADAPTER_FILES:
+        shutil.copyfile(peft_adapters[0] / n, old / n)
+    server = start_app(settings)
+    assert not old.exists()
+    with factories.client(server.url, key) as c:
+        t = factories.TenantClient(tenant.id, "old", key, c)
+        assert t.client.get("/v1/adapters/kept").json()["digest"] == digest
+        r = t.chat("kept", max_tokens=2)
+        assert r.status_code == 200, r.text
+        assert t.client.delete("/v1/adapters/kept").status_code == 200
+    assert list((settings.adapters_dir / "objects").iterdir()) == []

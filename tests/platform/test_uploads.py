@@ -1,4 +1,4 @@
-"""Unpacking uploads safely and the content-addressed store (no HTTP, no model)."""
+"""Receiving uploads: unpacking files and archives safely (no HTTP, no model)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,7 @@ import tarfile
 
 import pytest
 
-from loraplex.platform.adapter_files import (
-    AdapterFiles,
-    UploadError,
-    UploadTooLarge,
-    digest_files,
-    unpack_archive,
-    unpack_files,
-)
+from loraplex.platform.uploads import UploadError, UploadTooLarge, unpack_archive, unpack_files, unpack_upload
 from tests.platform.factories import tar_gz_bytes, zip_bytes
 
 GOOD = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"tensors"}
@@ -87,16 +80,10 @@ def test_plain_files_must_be_exactly_the_two(dest):
     assert sorted(p.name for p in dest.iterdir()) == sorted(GOOD)
 
 
-def test_store_is_content_addressed_and_atomic(tmp_path):
-    files = AdapterFiles(tmp_path / "store")
-    digests = []
-    for _ in range(2):
-        up = files.new_upload_dir()
-        unpack_files({k: io.BytesIO(v) for k, v in GOOD.items()}, up, 1 << 20)
-        expected = digest_files(up)
-        digests.append(files.store(up))
-        assert digests[-1] == expected and not up.exists()
-    assert digests[0] == digests[1]
-    assert [p.name for p in (tmp_path / "store").iterdir()] == [digests[0][0]]  # stored once, no temp dirs left
-    files.remove(digests[0][0])
-    assert list((tmp_path / "store").iterdir()) == []
+def test_one_archive_or_the_two_files(tmp_path):
+    for i, files in enumerate([{"a.tar.gz": io.BytesIO(tar_gz_bytes(GOOD))},
+                               {k: io.BytesIO(v) for k, v in GOOD.items()}]):
+        dest = tmp_path / str(i)
+        dest.mkdir()
+        unpack_upload(files, dest, 1 << 20)
+        assert {p.name: p.read_bytes() for p in dest.iterdir()} == GOOD

@@ -1,22 +1,13 @@
-"""Uploaded adapter files: unpacking an upload safely and storing it content-addressed.
-
-Layout: `<root>/<digest>/{adapter_config.json, adapter_model.safetensors}`, where digest is the sha256
-of both files (name, size and bytes of each, in name order). The same bytes are stored once. An upload
-is unpacked into `<root>/.upload-*` (same filesystem) and moved into place with one rename, so a
-reader sees a complete directory or none; an upload that fails leaves nothing behind.
-
-Issue 3's adapter store replaces this module; callers use `AdapterFiles` and `unpack_*` only.
+"""Receiving an adapter upload: the files of a multipart form, or one .zip / .tar.gz, written into a
+directory with a size limit, refusing anything but the two adapter files (no paths outside the
+directory, no links, no pickles). What is unpacked is validated and stored by `tenant_adapters`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 import re
-import shutil
 import stat
 import tarfile
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import BinaryIO
@@ -40,50 +31,6 @@ class UploadTooLarge(UploadError):
     pass
 
 
-class AdapterFiles:
-    def __init__(self, root: str | os.PathLike):
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-
-    def path(self, digest: str) -> Path:
-        return self.root / digest
-
-    def new_upload_dir(self) -> Path:
-        return Path(tempfile.mkdtemp(prefix=".upload-", dir=self.root))
-
-    def store(self, upload_dir: Path) -> tuple[str, int]:
-        """Move a complete upload directory into the store; (digest, total bytes). Consumes upload_dir."""
-        digest, num_bytes = digest_files(upload_dir)
-        target = self.path(digest)
-        try:
-            os.rename(upload_dir, target)
-        except OSError:
-            if not target.is_dir():  # not "already stored": a real failure
-                shutil.rmtree(upload_dir, ignore_errors=True)
-                raise
-            shutil.rmtree(upload_dir, ignore_errors=True)
-        return digest, num_bytes
-
-    def remove(self, digest: str) -> None:
-        """Delete a stored directory (the caller checked that nothing references it)."""
-        if re.fullmatch(r"[0-9a-f]{64}", digest):
-            shutil.rmtree(self.path(digest), ignore_errors=True)
-
-
-def digest_files(directory: Path) -> tuple[str, int]:
-    h = hashlib.sha256()
-    total = 0
-    for name in sorted(ADAPTER_FILES):
-        path = directory / name
-        size = path.stat().st_size
-        total += size
-        h.update(f"{name}\0{size}\0".encode())
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(CHUNK), b""):
-                h.update(chunk)
-    return h.hexdigest(), total
-
-
 def copy_limited(src: BinaryIO, dest: Path, budget: int) -> int:
     """Copy src to a new file dest, refusing past `budget` bytes; returns the bytes written."""
     written = 0
@@ -93,13 +40,20 @@ def copy_limited(src: BinaryIO, dest: Path, budget: int) -> int:
             if written > budget:
                 raise UploadTooLarge(f"the adapter files exceed the upload limit of {budget} bytes")
             out.write(chunk)
-        out.flush()
-        os.fsync(out.fileno())
     return written
 
 
 def is_archive(filename: str) -> bool:
     return filename.lower().endswith(ARCHIVE_SUFFIXES)
+
+
+def unpack_upload(files: dict[str, BinaryIO], dest: Path, max_bytes: int) -> None:
+    """Write an upload (its files by file name) into dest: one archive, or the two adapter files."""
+    if len(files) == 1 and is_archive(next(iter(files))):
+        filename, f = next(iter(files.items()))
+        unpack_archive(f, filename, dest, max_bytes)
+    else:
+        unpack_files(files, dest, max_bytes)
 
 
 def unpack_files(files: dict[str, BinaryIO], dest: Path, max_bytes: int) -> None:
