@@ -21,7 +21,7 @@ def bench(tmp_path_factory, model_path):
     main = WorkloadSpec(num_adapters=3, rate=20.0, duration_s=0.6, prompt_len=(4, 16), output_len=(2, 8),
                         num_tenants=2)
     preset = Preset(dtype="float32", main=main, systems=("engine", "static", "peft", "base"), rates=(10.0,),
-                    num_adapters=(1, 4), alphas=(1.0,), num_files=2, max_loras=4, peft_batch_size=4)
+                    num_adapters=(1, 4), alphas=(1.0,), alpha_num_adapters=4, num_files=2, max_loras=4, peft_batch_size=4)
     b = Bench(preset, tmp_path_factory.mktemp("adapters"))
     b.run()
     return b
