@@ -68,7 +68,7 @@ def _full() -> Preset:
 
 def _gpu_s1() -> Preset:
     main = WorkloadSpec(num_adapters=64, alpha=1.0, rate=8.0, duration_s=60.0, prompt_len=(8, 512),
-                        output_len=(8, 512), vocab_size=32000, num_tenants=16)
+                        output_len=(8, 512), num_tenants=16)
     return Preset(model="llama-2-7b", load_format="dummy", dtype="bfloat16", main=main,
                   systems=("engine", "static", "base"), rates=(2.0, 4.0, 8.0, 16.0, 32.0),
                   max_loras=32, max_cpu_loras=256, max_num_seqs=256, slo=SLO(ttft_s=1.0, tpot_s=0.1))
@@ -98,6 +98,8 @@ class Bench:
         self.llm = LLM(preset.model, load_format=preset.load_format, dtype=preset.dtype, max_loras=preset.max_loras,
                        max_cpu_loras=preset.max_cpu_loras, max_lora_rank=64, max_num_seqs=preset.max_num_seqs)
         model = self.llm.engine.model
+        # Prompts are random token ids below the model's vocabulary (a dummy model has no tokenizer).
+        preset.main = replace(preset.main, vocab_size=self.llm.engine.model_config.vocab_size)
         self.flops_per_token = 2 * sum(p.numel() for p in model.parameters())
         self.dtype = self.llm.engine.dtype
         self.peak = matmul_peak_flops(self.dtype, device=self.llm.engine.device.type)

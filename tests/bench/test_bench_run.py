@@ -76,6 +76,21 @@ def test_report_has_the_tables_ratios_and_plots(bench, tmp_path):
         assert f"(tiny/{png}.png)" in text
 
 
+def test_dummy_weights_skip_peft_and_http_and_draw_prompts_below_the_vocabulary(tmp_path):
+    """The GPU preset's path (random weights, no tokenizer), at tiny shapes on the CPU."""
+    main = WorkloadSpec(num_adapters=2, rate=50.0, duration_s=0.2, prompt_len=(4, 8), output_len=(2, 4))
+    preset = Preset(model="tiny-llama", load_format="dummy", dtype="float32", main=main, rates=(), num_adapters=(),
+                    alphas=(), max_loras=2)
+    b = Bench(preset, tmp_path)
+    b.run()
+    assert [e.system for e in b.results] == ["engine", "static", "base"]
+    assert all(t < 512 for r in b.main_workload.requests for t in r.prompt_token_ids)
+    assert all(r.ok for e in b.results for r in e.records)
+    report.write(tmp_path / "gpu.md", b, command="x", elapsed_s=1.0)
+    text = (tmp_path / "gpu.md").read_text()
+    assert "multi-adapter vs base-only" in text and "engine vs transformers + PEFT" not in text
+
+
 def test_cli_help_lists_the_presets():
     out = subprocess.run([sys.executable, "-m", "loraplex.cli", "bench", "--help"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
