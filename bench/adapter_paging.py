@@ -9,6 +9,7 @@ from disk to host memory and from host memory into a slot, for ranks 8 to 64.
 
     python bench/adapter_paging.py                     # the table committed in docs/benchmarks/
     python bench/adapter_paging.py --quick             # a smoke run in about a minute
+    python bench/adapter_paging.py --max-loras 8,64    # the same with 8 and with 64 adapter slots
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--adapters", default="1,16,256,1024", help="distinct adapter counts to sweep")
     ap.add_argument("--rank", type=int, default=8)
-    ap.add_argument("--max-loras", type=int, default=8)
+    ap.add_argument("--max-loras", default="8", help="adapter slots; a comma list runs the sweep once per value")
     ap.add_argument("--max-cpu-loras", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--num-files", type=int, default=64, help="distinct adapter files behind the names")
@@ -65,38 +66,40 @@ def main() -> None:
     if args.quick:
         args.num_requests, counts, prompt_len, output_len = 32, [1, 16], (4, 16), (4, 8)
 
-    llm = LLM(args.model, dtype=args.dtype, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
-              max_lora_rank=64, max_num_seqs=args.max_num_seqs)
-    cfg = llm.engine.model_config
     tmp = Path(tempfile.mkdtemp(prefix="loraplex-paging-"))
-    # Names are distinct adapters to the engine (each pages through the tiers on its own); their
-    # files cycle over --num-files directories so 1,024 adapters do not take gigabytes of disk.
-    for i in range(min(max(counts), args.num_files)):
-        write_random_adapter(tmp / f"f{i}", cfg, r=args.rank, alpha=2 * args.rank, targets=ALL, seed=i)
-    for i in range(max(counts)):
-        llm.load_adapter(f"a{i}", tmp / f"f{i % args.num_files}")
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
-
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"# adapter paging, {args.num_requests} requests, rank {args.rank} on all 7 projections, "
-          f"max_loras {args.max_loras}, max_cpu_loras {args.max_cpu_loras}, dtype {llm.engine.dtype}, "
-          f"commit {commit}\n")
-    print("| distinct adapters | output tok/s | base-only tok/s | ratio | slot hit rate | disk loads |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
-    for n in counts:
-        prompts, outputs, names = workload(args.num_requests, n, args.seed, prompt_len, output_len)
-        base_s, base_tokens = run(llm, prompts, outputs, [None] * len(prompts))
-        before = llm.adapter_stats()["tiers"]
-        lora_s, lora_tokens = run(llm, prompts, outputs, names)
-        after = llm.adapter_stats()["tiers"]
-        hits = after["gpu"]["hits"] - before["gpu"]["hits"]
-        misses = after["gpu"]["misses"] - before["gpu"]["misses"]
-        loads = after["cpu"]["misses"] - before["cpu"]["misses"]
-        lora_tps, base_tps = lora_tokens / lora_s, base_tokens / base_s
-        print(f"| {n} | {lora_tps:.0f} | {base_tps:.0f} | {lora_tps / base_tps:.2f} | "
-              f"{hits / max(1, hits + misses):.2f} | {loads} |")
+    for k, max_loras in enumerate(int(m) for m in args.max_loras.split(",")):
+        llm = LLM(args.model, dtype=args.dtype, max_loras=max_loras, max_cpu_loras=args.max_cpu_loras,
+                  max_lora_rank=64, max_num_seqs=args.max_num_seqs)
+        cfg = llm.engine.model_config
+        # Names are distinct adapters to the engine (each pages through the tiers on its own); their
+        # files cycle over --num-files directories so 1,024 adapters do not take gigabytes of disk.
+        if k == 0:
+            for i in range(min(max(counts), args.num_files)):
+                write_random_adapter(tmp / f"f{i}", cfg, r=args.rank, alpha=2 * args.rank, targets=ALL, seed=i)
+        for i in range(max(counts)):
+            llm.load_adapter(f"a{i}", tmp / f"f{i % args.num_files}")
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
+        print(f"# adapter paging, {args.num_requests} requests, rank {args.rank} on all 7 projections, "
+              f"max_loras {max_loras}, max_cpu_loras {args.max_cpu_loras}, dtype {llm.engine.dtype}, "
+              f"commit {commit}\n")
+        print("| max_loras | distinct adapters | output tok/s | base-only tok/s | ratio | slot hit rate | disk loads |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for n in counts:
+            prompts, outputs, names = workload(args.num_requests, n, args.seed, prompt_len, output_len)
+            base_s, base_tokens = run(llm, prompts, outputs, [None] * len(prompts))
+            before = llm.adapter_stats()["tiers"]
+            lora_s, lora_tokens = run(llm, prompts, outputs, names)
+            after = llm.adapter_stats()["tiers"]
+            hits = after["gpu"]["hits"] - before["gpu"]["hits"]
+            misses = after["gpu"]["misses"] - before["gpu"]["misses"]
+            loads = after["cpu"]["misses"] - before["cpu"]["misses"]
+            lora_tps, base_tps = lora_tokens / lora_s, base_tokens / base_s
+            print(f"| {max_loras} | {n} | {lora_tps:.0f} | {base_tps:.0f} | {lora_tps / base_tps:.2f} | "
+                  f"{hits / max(1, hits + misses):.2f} | {loads} |", flush=True)
+        print()
 
-    print("\n| rank | disk -> CPU (ms) | CPU -> slot (ms) |")
+    print("| rank | disk -> CPU (ms) | CPU -> slot (ms) |")
     print("| ---: | ---: | ---: |")
     mgr = llm.engine.adapters
     for r in (8, 16, 32, 64):
