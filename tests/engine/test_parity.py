@@ -12,7 +12,7 @@ import torch
 
 from loraplex import LLM, SamplingParams
 from loraplex.adapters.synthetic import randomize_lora_weights
-from tests.helpers import chat_ids
+from tests.helpers import chat_ids, peft_generate
 
 MAX_NEW = 12
 
@@ -59,15 +59,6 @@ def peft_model(hf_model, tmp_path_factory):
     return model, paths
 
 
-def peft_generate(model, ids: list[int], adapter: str | None) -> list[int]:
-    """PEFT's greedy output for one row alone (no padding)."""
-    names = ["__base__" if adapter is None else adapter]
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=MAX_NEW, do_sample=False, adapter_names=names, pad_token_id=2)
-    return out[0, len(ids):].tolist()
-
-
 @pytest.fixture(scope="module")
 def llm(model_path, peft_model):
     _, paths = peft_model
@@ -82,7 +73,7 @@ def test_mixed_batch_matches_peft_token_for_token(llm, peft_model, tokenizer):
     rows = [None, *ADAPTERS, None]  # base rows at both ends, every adapter once
     prompts = [chat_ids(tokenizer, PROMPTS[i % len(PROMPTS)]) for i in range(len(rows))]
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0), adapters=rows)
-    expected = [peft_generate(model, ids, a) for ids, a in zip(prompts, rows, strict=True)]
+    expected = [peft_generate(model, ids, a, MAX_NEW) for ids, a in zip(prompts, rows, strict=True)]
     for row, out, exp in zip(rows, outs, expected, strict=True):
         assert out.adapter == row
         n = len(out.token_ids)
@@ -127,7 +118,7 @@ def test_request_joining_mid_decode_gets_the_same_tokens(llm, peft_model, tokeni
     late = engine.add_request(late_ids, greedy, "exclude-r64")
     while engine.has_unfinished_requests():
         engine.step()
-    assert late.output_token_ids == peft_generate(model, late_ids, "exclude-r64")[: late.num_output_tokens]
+    assert late.output_token_ids == peft_generate(model, late_ids, "exclude-r64", MAX_NEW)[: late.num_output_tokens]
     alone = llm.generate([late_ids], greedy, adapters="exclude-r64")[0]
     assert alone.token_ids == late.output_token_ids
 
@@ -147,7 +138,7 @@ def test_preemption_under_a_tiny_kv_cache_gives_the_same_tokens(model_path, peft
     engine = small.engine
     assert engine.scheduler.num_preemptions > 0
     for ids, a, out in zip(prompts, rows, outs, strict=True):
-        expected = peft_generate(model, ids, a)  # PEFT stops at EOS; ignore_eos kept ours going
+        expected = peft_generate(model, ids, a, MAX_NEW)  # PEFT stops at EOS; ignore_eos kept ours going
         assert out.token_ids[: len(expected)] == expected
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert not engine.adapters.refcount
