@@ -22,16 +22,20 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplex.kernels.metadata import LoRAMeta
-from loraplex.kernels.reference import add_lora_packed, add_lora_segmented
+from loraplex.kernels.reference import add_lora_gathered, add_lora_packed, add_lora_segmented
 
-BACKENDS = ("auto", "triton", "segmented", "packed")
+BACKENDS = ("auto", "triton", "segmented", "packed", "gathered")
 _backend = os.environ.get("LORAPLEX_LORA_BACKEND", "auto")
 
-# The packed path multiplies every row by all N active rank columns. Measured on a 2-core CPU, it
-# loses to one matmul pair per segment past about T x N = 64K, and in fp32 already at N = 480
-# (64 decode rows over 16 adapters: 2.3 ms packed, 1.5 ms segmented for q/k/v).
-PACKED_MAX_ROW_COLUMNS = 64 * 1024
-PACKED_MAX_COLUMNS = 256
+# CPU path choice, measured on a 2-core AVX512-BF16 CPU (decode-shaped steps, q/k/v/o/gate/up/down
+# of the default model, 30 layers). The packed path multiplies every row by all N active rank
+# columns; in bf16 it beat the others everywhere measured (64 rows over 64 rank-8 adapters: packed 45 ms,
+# gathered 109 ms, segmented 508 ms per step; T x N = 512K: 430 ms against 922 ms). In fp32 it loses
+# past about T x N = 160K or N = 1K (64 rows over 64 rank-32 adapters: packed 616 ms, segmented 556 ms,
+# gathered 189 ms), where per-row gathering wins while segments hold a row or two, and one matmul pair
+# per segment wins when they hold more (256 rows over 64 adapters: 769 ms against 2,178 ms gathered).
+PACKED_LIMITS = {torch.float32: (1024, 160 * 1024)}  # dtype -> (max N, max T x N)
+PACKED_LIMITS_16BIT = (4096, 1024 * 1024)
 
 
 @dataclass
@@ -102,11 +106,13 @@ def _pick_backend(x: torch.Tensor, meta: LoRAMeta) -> str:
         return _backend
     if x.is_cuda:
         return "triton"
-    if meta.slot_ranks is not None:
-        n = sum(meta.slot_ranks[s] for s in meta.seg_slots_list)
-        if n <= PACKED_MAX_COLUMNS and meta.num_tokens * n <= PACKED_MAX_ROW_COLUMNS:
-            return "packed"
-    return "segmented"
+    if meta.slot_ranks is None:
+        return "segmented"
+    n = sum(meta.slot_ranks[s] for s in meta.seg_slots_list)
+    max_n, max_tn = PACKED_LIMITS.get(x.dtype, PACKED_LIMITS_16BIT)
+    if n <= max_n and meta.num_tokens * n <= max_tn:
+        return "packed"
+    return "gathered" if meta.row_order.numel() <= 2 * meta.num_segments else "segmented"
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, slices: Sequence[LoRAWeights], meta: LoRAMeta,
@@ -127,6 +133,8 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, slices: Sequence[LoRAWeights], me
     backend = _pick_backend(x, meta)
     if backend == "packed":
         return add_lora_packed(y, x, slices, meta, list(offsets))
+    if backend == "gathered":
+        return add_lora_gathered(y, x, slices, meta, list(offsets))
     if backend == "triton":
         from loraplex.kernels.triton_sgmv import add_lora_triton
 

@@ -148,3 +148,27 @@ def _block_diagonal(bs: list[torch.Tensor], slices) -> torch.Tensor:
             col += b.shape[1]
         extra["bd"] = bd
     return extra["bd"]
+
+
+def add_lora_gathered(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
+                      offsets: list[int]) -> torch.Tensor:
+    """CPU path for many distinct adapters (BGMV's shape, Punica): each row's own A and B gathered
+    into per-row stacks, then two batched matmuls per slice.
+
+    FLOPs are the minimum (T_a x R x (H_in + H_out)); the price is copying T_a x R x (H_in + H_out)
+    weights per slice and step, cheaper than one small matmul pair per segment once most segments
+    hold a row or two (decode over many adapters), and cheaper than the packed path once N is large.
+    R is the largest rank in the step; the zero padding of smaller ranks adds nothing.
+    """
+    rows = meta.row_order  # [T_a] rows with an adapter, grouped by slot
+    sid = meta.slot_ids.to(torch.int64).index_select(0, rows)  # [T_a]
+    r = max(meta.slot_ranks[s] for s in meta.seg_slots_list) if meta.slot_ranks else slices[0].A.shape[1]
+    xs = x.index_select(0, rows)[:, None, :]  # [T_a, 1, H_in]
+    for w, off in zip(slices, offsets, strict=True):
+        a = w.A[:, :r].index_select(0, sid)  # [T_a, r, H_in]
+        v = torch.bmm(xs, a.transpose(1, 2))  # [T_a, 1, r]
+        v = v * w.scales.to(v.dtype).index_select(0, sid)[:, None, None]
+        b = w.B[:, :, :r].index_select(0, sid)  # [T_a, H_out, r]
+        delta = torch.bmm(v, b.transpose(1, 2))[:, 0].to(y.dtype)  # [T_a, H_out]
+        y[:, off:off + b.shape[1]].index_add_(0, rows, delta)
+    return y

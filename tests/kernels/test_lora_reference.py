@@ -6,10 +6,10 @@ from lora_cases import DEVICE, POPULARITIES, assert_matches, make_case
 
 from loraplex.kernels import lora_ops, reference
 from loraplex.kernels.metadata import build_lora_meta
-from loraplex.kernels.reference import add_lora_packed, add_lora_segmented
+from loraplex.kernels.reference import add_lora_gathered, add_lora_packed, add_lora_segmented
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-PATHS = {"segmented": add_lora_segmented, "packed": add_lora_packed}
+PATHS = {"segmented": add_lora_segmented, "packed": add_lora_packed, "gathered": add_lora_gathered}
 
 
 def _run(path, case):
@@ -50,13 +50,27 @@ def test_packed_fused_slices_one_or_many_expands(monkeypatch, block_diagonal_max
 
 def test_dispatch_auto_and_forced(monkeypatch):
     case = make_case(12, "uniform", 3, torch.float32, 72, [61, 45], padding="zero", seed=8)
-    for backend in ("auto", "segmented", "packed"):
+    for backend in ("auto", "segmented", "packed", "gathered"):
         monkeypatch.setattr(lora_ops, "_backend", backend)
         y = case.y.clone()
         lora_ops.add_lora(y, case.x, case.slices, case.meta)  # default offsets: consecutive
         assert_matches(y, case, case.y)
     with pytest.raises(ValueError, match="unknown LoRA backend"):
         lora_ops.set_backend("cublas")
+
+
+@pytest.mark.parametrize("dtype, num_tokens, rank, expected", [
+    (torch.bfloat16, 64, 8, "packed"),  # N = 512
+    (torch.bfloat16, 256, 32, "packed"),  # T x N = 512K
+    (torch.float32, 64, 8, "packed"),
+    (torch.float32, 64, 32, "gathered"),  # N = 2048, a row per segment
+    (torch.float32, 256, 32, "segmented"),  # N = 2048, four rows per segment
+])
+def test_auto_picks_the_cpu_path_measured_fastest(monkeypatch, dtype, num_tokens, rank, expected):
+    monkeypatch.setattr(lora_ops, "_backend", "auto")
+    meta = build_lora_meta([t % 64 for t in range(num_tokens)], DEVICE, slot_ranks=[rank] * 64)
+    x = torch.zeros(num_tokens, 8, dtype=dtype)
+    assert lora_ops._pick_backend(x, meta) == expected
 
 
 def test_segments_group_rows_stably():
