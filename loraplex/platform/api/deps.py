@@ -37,7 +37,10 @@ def get_db(gw: GatewayDep) -> Generator[Session, None, None]:
         yield session
 
 
-SessionDep = Annotated[Session, Depends(get_db)]
+# scope="function": the session closes when the route function returns, not when the response is sent;
+# a stream would otherwise hold a pooled connection for its whole length (FastAPI >= 0.118 runs a yield
+# dependency's exit after the response), and 16 open streams exhausted the pool.
+SessionDep = Annotated[Session, Depends(get_db, scope="function")]
 TokenDep = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 
 

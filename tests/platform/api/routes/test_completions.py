@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import threading
 
+import httpx
 import pytest
 
 from tests.helpers import chat_ids
@@ -71,3 +73,36 @@ def test_ignore_eos_generates_max_tokens(make_tenant, tokenizer):
         chunks = [json.loads(line.removeprefix("data: ")) for line in r.iter_lines() if line and "[DONE]" not in line]
     assert chunks[-1]["usage"]["completion_tokens"] == 40
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == full["choices"][0]["text"]
+
+
+def test_open_streams_hold_no_database_connection(make_tenant, gateway, server):
+    """Each open stream used to keep its request's database session until the stream ended (FastAPI runs
+    a yield dependency's exit after the response): 16 streams at once exhausted SQLAlchemy's pool (5 + 10)
+    and the 16th request waited 30 s for a connection before failing."""
+    t = make_tenant(max_concurrent_requests=32)
+    num_streams, started, results = 20, threading.Barrier(21, timeout=120), []
+
+    def stream() -> None:
+        body = {"model": BASE_MODEL, "prompt": "Count: one, two,", "max_tokens": 48, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {t.key}"}, timeout=120) as c:
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                first = next(line for line in lines if line)
+                started.wait()  # every stream is open and has its first chunk
+                started.wait()  # the pool has been looked at
+                rest = [line for line in lines if line]
+        results.append((r.status_code, first, rest[-1]))
+
+    threads = [threading.Thread(target=stream) for _ in range(num_streams)]
+    for th in threads:
+        th.start()
+    started.wait()
+    checked_out = gateway.db.pool.checkedout()
+    started.wait()
+    for th in threads:
+        th.join(timeout=120)
+    assert checked_out == 0
+    assert len(results) == num_streams
+    assert all(status == 200 and first.startswith("data: {") and last == "data: [DONE]"
+               for status, first, last in results)
