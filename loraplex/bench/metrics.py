@@ -5,8 +5,10 @@ Definitions (the ones vLLM's and S-LoRA's benchmarks use; all times in seconds f
     TPOT    (finish_s - first_token_s) / (num_output_tokens - 1)   (requests with >= 2 output tokens)
     E2E     finish_s - arrival_s
     goodput requests per second that finished and met the SLO (TTFT and TPOT both under their limit)
-    MFU     model FLOPs per second / the machine's measured matmul peak, with model FLOPs
-            2 * num_params * (prompt + output tokens) (the PaLM paper's approximation, attention left out)
+    MFU     model FLOPs per second / the machine's measured matmul peak, over the whole run (idle time
+            included), with model FLOPs 2 * decoder params * (prompt + output tokens) + 2 * lm_head
+            params * output tokens (the PaLM paper's 2N per token; attention and the embedding lookup
+            left out, and the lm_head only where a token is sampled)
 """
 
 from __future__ import annotations
@@ -123,15 +125,19 @@ QUANTILES = (50, 90, 99)
 
 
 def summarize(system: str, records: list[RequestRecord], stats: RunStats, slo: SLO,
-              flops_per_token: float | None = None, peak_flops: float | None = None) -> Summary:
-    """Throughput counts from time 0 to the last finish; latencies over the requests that finished."""
+              flops_per_token: float | None = None, peak_flops: float | None = None,
+              flops_per_output_token: float = 0.0) -> Summary:
+    """Throughput counts from the first arrival to the last finish (0 when nothing finished); latencies
+    over the requests that finished."""
     ok = [r for r in records if r.ok]
-    duration = max((r.finish_s for r in ok), default=0.0) or float("nan")
+    first = min((r.arrival_s for r in records), default=0.0)
+    duration = max((r.finish_s for r in ok), default=first) - first or float("inf")
     out_tokens = sum(r.num_output_tokens for r in ok)
     mfu = None
     if flops_per_token and peak_flops:
         tokens = sum(r.num_prompt_tokens + r.num_output_tokens for r in ok)
-        mfu = flops_per_token * tokens / duration / peak_flops
+        outputs = sum(r.num_output_tokens for r in ok)
+        mfu = (flops_per_token * tokens + flops_per_output_token * outputs) / duration / peak_flops
 
     def pcts(attr: str) -> dict[int, float | None]:
         values = [v for v in (getattr(r, attr) for r in ok) if v is not None]

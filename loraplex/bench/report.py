@@ -14,7 +14,7 @@ from loraplex.bench.metrics import Summary
 
 NAMES = {
     "engine": "loraplex, continuous batching",
-    "static": "loraplex, static batching",
+    "static": "loraplex, static batching (admits a new batch when the last is done)",
     "peft": "transformers + PEFT generate(adapter_names)",
     "base": "loraplex, base model only",
     "http": "loraplex over HTTP (openai client, streaming)",
@@ -51,31 +51,38 @@ def machine() -> str:
 
 
 def commit() -> str:
-    out = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True)
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent)
+    except OSError:  # no git on this machine
+        return "unknown"
     return out.stdout.strip() or "unknown"
 
 
 def summary_table(rows: list[tuple[str, Summary]]) -> list[str]:
-    lines = ["| system | req/s | output tok/s | goodput req/s | TTFT p50 / p90 / p99 s | TPOT p50 / p90 / p99 ms "
-             "| E2E p50 / p99 s | mean batch | adapter hit rate | MFU |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| system | done | req/s | output tok/s | goodput req/s | TTFT p50 / p90 / p99 s | "
+             "TPOT p50 / p90 / p99 ms | E2E p50 / p90 / p99 s | mean batch | adapter hit rate | MFU |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, s in rows:
         lines.append(
-            f"| {label} | {s.requests_per_s:.2f} | {s.output_tokens_per_s:.1f} | {s.goodput:.2f} | "
-            f"{_f(s.ttft[50])} / {_f(s.ttft[90])} / {_f(s.ttft[99])} | "
-            f"{_ms(s.tpot[50])} / {_ms(s.tpot[90])} / {_ms(s.tpot[99])} | {_f(s.e2e[50])} / {_f(s.e2e[99])} | "
+            f"| {label} | {s.num_ok}/{s.num_requests} | {s.requests_per_s:.2f} | {s.output_tokens_per_s:.1f} | "
+            f"{s.goodput:.2f} | {_f(s.ttft[50])} / {_f(s.ttft[90])} / {_f(s.ttft[99])} | "
+            f"{_ms(s.tpot[50])} / {_ms(s.tpot[90])} / {_ms(s.tpot[99])} | "
+            f"{_f(s.e2e[50])} / {_f(s.e2e[90])} / {_f(s.e2e[99])} | "
             f"{_f(s.stats.mean_batch_size, 1)} | {_f(s.stats.adapter_hit_rate)} | "
             f"{'–' if s.mfu is None else f'{s.mfu:.1%}'} |")
     return lines
 
 
 def ratio_table(main: dict[str, Summary]) -> list[str]:
-    lines = ["| comparison (a / b) | throughput | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| comparison (a / b) | req/s (higher: a better) | output tok/s | TTFT p50 (lower: a better) | "
+             "TTFT p99 | TPOT p50 | TPOT p99 |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for a, b, what in COMPARISONS:
         if a in main and b in main:
             x, y = main[a], main[b]
-            lines.append(f"| {what} | {_ratio(x.output_tokens_per_s, y.output_tokens_per_s)} | "
+            lines.append(f"| {what} | {_ratio(x.requests_per_s, y.requests_per_s)} | "
+                         f"{_ratio(x.output_tokens_per_s, y.output_tokens_per_s)} | "
                          f"{_ratio(x.ttft[50], y.ttft[50])} | {_ratio(x.ttft[99], y.ttft[99])} | "
                          f"{_ratio(x.tpot[50], y.tpot[50])} | {_ratio(x.tpot[99], y.tpot[99])} |")
     return lines
@@ -114,8 +121,11 @@ def write(out: Path, bench, *, command: str, elapsed_s: float) -> None:
              f"- date {datetime.datetime.now().isoformat(timespec='seconds')}, commit `{commit()}`, "
              f"whole run {elapsed_s / 60:.1f} min",
              f"- machine: {machine()}",
-             f"- matmul peak measured in this run: {bench.peak / 1e9:.0f} GFLOP/s ({bench.dtype}); "
-             f"MFU = 2 x {bench.flops_per_token / 2e6:.0f}M params x (prompt + output tokens) / s / peak",
+             "- matmul peak measured in this run (2048 x 2048 x 2048 products): "
+             + ", ".join(f"{str(dt).removeprefix('torch.')} {f / 1e9:.0f} GFLOP/s" for dt, f in bench.peaks.items())
+             + f"; MFU = (2 x {bench.flops_per_token / 2e6:.0f}M decoder params x (prompt + output tokens) + "
+             f"2 x {bench.flops_per_output_token / 2e6:.0f}M lm_head params x output tokens) / s / the "
+             f"{str(bench.dtype).removeprefix('torch.')} peak, over the whole run",
              f"- model `{p.model}` ({p.load_format} weights, {bench.dtype}); max_loras {p.max_loras}, "
              f"max_cpu_loras {p.max_cpu_loras}, max_num_seqs {p.max_num_seqs}; PEFT batches of {p.peft_batch_size}",
              f"- SLO for goodput: {p.slo}", f"- command: `{command}`", ""]
@@ -127,13 +137,21 @@ def write(out: Path, bench, *, command: str, elapsed_s: float) -> None:
                   "same requests at the same times, decodes greedily and ignores EOS.", ""]
     lines += ["## Side by side", ""]
     lines += summary_table([(NAMES[k], v) for k, v in main.items()])
-    lines += ["", *ratio_table(main), ""]
+    lines += ["", *ratio_table(main), "",
+              "Throughput counts from the first arrival to the last finish; when a system keeps up with R it "
+              "equals R, so the ratios compare capacity only where R saturates both systems (see the rate "
+              "sweep). Static batching here admits a new batch only when the previous one is done, but a "
+              "finished row leaves its batch at once; PEFT's static batches run every row to the batch's "
+              "longest output. Mean batch: rows that made a token per step (PEFT: rows in its batch, finished "
+              "ones included; HTTP: rows scheduled per engine step). The HTTP client and the server share this "
+              "machine's cores.", ""]
     engine = next((e for e in results if e.group == "main" and e.system == "engine"), None)
     peft = next((e for e in results if e.group == "main" and e.system == "peft"), None)
     if engine and peft:
         same = sum(a.token_ids == b.token_ids for a, b in zip(engine.records, peft.records, strict=True))
         lines += [f"Greedy outputs equal to PEFT's, token for token: {same} of {len(engine.records)} requests "
-                  f"({bench.dtype}; fp32 runs match exactly, bf16 rounding may flip near-ties).", ""]
+                  f"({bench.dtype}: rounding differs between the two implementations and flips near-ties on "
+                  "random prompts; in fp32, tests/bench/test_bench_run.py checks that every request matches).", ""]
 
     rate = [e for e in results if e.group == "rate"]
     if rate:

@@ -55,9 +55,10 @@ class Preset:
 
 
 def _small() -> Preset:
-    main = WorkloadSpec(num_adapters=8, alpha=1.0, rate=8.0, duration_s=8.0, prompt_len=(8, 64),
+    # R = 16 saturates every system on 2 cores (the rate sweep shows where each one stops keeping up)
+    main = WorkloadSpec(num_adapters=8, alpha=1.0, rate=16.0, duration_s=6.0, prompt_len=(8, 64),
                         output_len=(8, 64), num_tenants=4)
-    return Preset(main=main)
+    return Preset(main=main, rates=(2.0, 4.0, 8.0, 16.0))
 
 
 def _full() -> Preset:
@@ -100,9 +101,15 @@ class Bench:
         model = self.llm.engine.model
         # Prompts are random token ids below the model's vocabulary (a dummy model has no tokenizer).
         preset.main = replace(preset.main, vocab_size=self.llm.engine.model_config.vocab_size)
-        self.flops_per_token = 2 * sum(p.numel() for p in model.parameters())
+        head = model.lm_head.weight.numel()
+        # embed_tokens is a lookup, not a matmul; with tied weights it is the lm_head tensor counted once
+        self.flops_per_token = 2 * (sum(p.numel() for p in model.parameters()) - model.embed_tokens.weight.numel()
+                                    - (0 if model.lm_head.weight is model.embed_tokens.weight else head))
+        self.flops_per_output_token = 2 * head
         self.dtype = self.llm.engine.dtype
-        self.peak = matmul_peak_flops(self.dtype, device=self.llm.engine.device.type)
+        device = self.llm.engine.device.type
+        self.peaks = {dt: matmul_peak_flops(dt, device=device) for dt in (torch.float32, torch.bfloat16)}
+        self.peak = self.peaks[self.dtype] if self.dtype in self.peaks else matmul_peak_flops(self.dtype, device=device)
         self.results: list[Experiment] = []
         self.adapter_dirs: dict[str, Path] = {}
         self._peft = None
@@ -110,16 +117,19 @@ class Bench:
         self.main_workload: Workload | None = None
 
     # adapters -----------------------------------------------------------------------------------
-    def ensure_adapters(self, spec: WorkloadSpec) -> None:
-        """Write (once per file) and register every adapter the spec can name."""
+    def ensure_adapters(self, spec: WorkloadSpec | None, names: list[str]) -> None:
+        """Write (once per file) and register every adapter the spec can name, and any other of `names`
+        (a trace's) as a rank-`preset.main.rank` adapter."""
         from loraplex.adapters.synthetic import write_random_adapter
 
         cfg = self.llm.engine.model_config
-        for i, name in enumerate(spec.adapter_names()):
+        ranked = [(name, spec.adapter_rank(i), spec.setting) for i, name in enumerate(spec.adapter_names())] if spec else []
+        ranked += [(name, self.preset.main.rank, "S1") for name in names]
+        for i, (name, rank, setting) in enumerate(ranked):
             if name in self.adapter_dirs:
                 continue
-            rank, file_index = spec.adapter_rank(i), i % self.preset.num_files
-            path = self.workdir / f"{spec.setting}-r{rank}-f{file_index}"
+            file_index = i % self.preset.num_files
+            path = self.workdir / f"{setting}-r{rank}-f{file_index}"
             if not path.exists():
                 write_random_adapter(path, cfg, r=rank, alpha=2 * rank, targets=TARGETS, seed=file_index)
             self.llm.load_adapter(name, path)
@@ -135,7 +145,7 @@ class Bench:
             self.results.append(Experiment(group, spec, system, summary, records))
             return summary
         if workload.adapters:
-            self.ensure_adapters(spec or self.preset.main)
+            self.ensure_adapters(spec, workload.adapters)
         t0 = time.perf_counter()
         if system in ("engine", "static", "base"):
             work = workload.without_adapters() if system == "base" else workload
@@ -154,7 +164,8 @@ class Bench:
             records, stats = run_http(workload, dirs, engine_env=env, log_path=self.workdir / "server.log")
         else:
             raise ValueError(f"unknown system {system!r}")
-        summary = summarize(system, records, stats, self.preset.slo, self.flops_per_token, self.peak)
+        summary = summarize(system, records, stats, self.preset.slo, self.flops_per_token, self.peak,
+                            self.flops_per_output_token)
         self.results.append(Experiment(group, spec, system, summary, records))
         self._done[key] = summary, records
         print(f"  {group:<8} {system:<7} {_label(spec):<34} {summary.output_tokens_per_s:8.1f} tok/s  "
@@ -216,13 +227,27 @@ def main(argv: list[str] | None = None) -> int:
     preset = PRESETS[args.preset]()
     preset.main = replace(preset.main, seed=args.seed)
     if args.systems:
-        preset = dataclasses.replace(preset, systems=tuple(args.systems.split(",")))
+        systems = tuple(args.systems.split(","))
+        unknown = sorted(set(systems) - set(report.NAMES))
+        if unknown:
+            ap.error(f"unknown systems {unknown}; choose from {sorted(report.NAMES)}")
+        preset = dataclasses.replace(preset, systems=systems)
     out = args.out or Path("docs/benchmarks") / f"{args.preset}.md"
     command = "loraplex bench " + shlex.join(argv if argv is not None else sys.argv[1:])
     started = time.perf_counter()
+    if args.trace:
+        try:  # before the model loads, so that a bad trace costs seconds, not minutes
+            read_trace(args.trace, vocab_size=2**31)
+        except (OSError, ValueError) as exc:
+            ap.error(str(exc))
     with tempfile.TemporaryDirectory(prefix="loraplex-bench-") as tmp:
         bench = Bench(preset, Path(tmp))
-        trace = read_trace(args.trace, preset.main.vocab_size) if args.trace else None
+        trace = None
+        if args.trace:  # again, now that the model's vocabulary is known
+            try:
+                trace = read_trace(args.trace, vocab_size=preset.main.vocab_size, seed=args.seed)
+            except ValueError as exc:
+                ap.error(str(exc))
         bench.run(trace)
         report.write(out, bench, command=command, elapsed_s=time.perf_counter() - started)
     print(f"report written to {out}")

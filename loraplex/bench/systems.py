@@ -29,7 +29,7 @@ BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names
 def run_engine(llm, workload: Workload, *, static: bool = False) -> tuple[list[RequestRecord], RunStats]:
     """Replay `workload` through `llm.engine` (a `loraplex.LLM` whose adapters are loaded)."""
     engine = llm.engine
-    engine.config.static_batching = static
+    was_static, engine.config.static_batching = engine.config.static_batching, static
     pending = deque(sorted(range(len(workload.requests)), key=lambda i: workload.requests[i].arrival_s))
     records = [RequestRecord(r.arrival_s, None, None, r.prompt_len, 0, r.adapter) for r in workload.requests]
     index_of: dict[str, int] = {}
@@ -43,9 +43,13 @@ def run_engine(llm, workload: Workload, *, static: bool = False) -> tuple[list[R
                 i = pending.popleft()
                 r = workload.requests[i]
                 params = SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True)
-                index_of[engine.add_request(r.prompt_token_ids, params, r.adapter).request_id] = i
+                try:
+                    index_of[engine.add_request(r.prompt_token_ids, params, r.adapter).request_id] = i
+                except ValueError as exc:  # refused (too long for the KV cache, unknown adapter): its own failure
+                    records[i].error = str(exc)
             if not engine.has_unfinished_requests():
-                time.sleep(max(0.0, workload.requests[pending[0]].arrival_s - now))
+                if pending:
+                    time.sleep(max(0.0, workload.requests[pending[0]].arrival_s - now))
                 continue
             outputs = engine.step()
             t = time.perf_counter() - start
@@ -59,11 +63,14 @@ def run_engine(llm, workload: Workload, *, static: bool = False) -> tuple[list[R
                 if out.finished:
                     rec.finish_s, rec.token_ids = t, out.token_ids
                     rec.num_output_tokens = len(out.token_ids)
+                    if out.finish_reason != "length" or rec.num_output_tokens != workload.requests[
+                            index_of[out.request_id]].output_len:
+                        rec.error = f"finished by {out.finish_reason!r} after {rec.num_output_tokens} tokens"
             if rows:
                 stats.num_steps += 1
                 stats.num_batched_rows += rows
     finally:
-        engine.config.static_batching = False
+        engine.config.static_batching = was_static
         for rid in list(index_of):
             engine.abort_request(rid)
     after = llm.adapter_stats()["tiers"]["gpu"]
@@ -110,8 +117,13 @@ def run_peft(model, workload: Workload, *, batch_size: int = 16) -> tuple[list[R
     finish the step that made its output_len-th token."""
     from transformers import StoppingCriteriaList
 
-    pad = 2
+    pad = 2  # the default model's pad id; masked out by the attention mask either way
     reqs = sorted(workload.requests, key=lambda r: r.arrival_s)
+    warm = reqs[:batch_size]  # untimed: one small batch pays the one-time costs, as the engine's warm-up does
+    with torch.inference_mode():
+        model.generate(input_ids=torch.tensor([r.prompt_token_ids[:4] + [pad] * (4 - min(4, r.prompt_len))
+                                               for r in warm]), max_new_tokens=2, do_sample=False,
+                       pad_token_id=pad, adapter_names=[r.adapter or BASE for r in warm])
     records = {id(r): RequestRecord(r.arrival_s, None, None, r.prompt_len, r.output_len, r.adapter) for r in reqs}
     stats, nxt = RunStats(), 0
     start = time.perf_counter()

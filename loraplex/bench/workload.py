@@ -13,6 +13,7 @@ same adapters, same output lengths) and round-trips through a JSONL trace.
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -79,6 +80,10 @@ class WorkloadSpec:
                 raise ValueError(f"{name} must be [min, max) with 1 <= min < max, got {(lo, hi)}")
         if self.setting not in ("S1", "S2"):
             raise ValueError(f"setting must be S1 or S2, got {self.setting!r}")
+        if self.duration_s <= 0 or (self.num_requests is not None and self.num_requests < 1):
+            raise ValueError("a workload needs duration_s > 0 and, when set, num_requests >= 1")
+        if self.rank < 1:
+            raise ValueError(f"rank must be >= 1, got {self.rank}")
         if self.num_requests is None and self.rate == float("inf"):
             raise ValueError("an infinite rate needs num_requests")
 
@@ -138,6 +143,13 @@ def generate(spec: WorkloadSpec) -> Workload:
     return Workload(spec, requests)
 
 
+def _int(value) -> int:
+    """An integer, refusing floats with a fraction and booleans (int() would truncate or accept them)."""
+    if isinstance(value, bool) or not float(value).is_integer():
+        raise ValueError(f"expected an integer, got {value!r}")
+    return int(value)
+
+
 def write_trace(workload: Workload, path: str | Path) -> None:
     """One JSON object per line: arrival_s, tenant, adapter, prompt_token_ids, output_len."""
     with open(path, "w") as f:
@@ -157,15 +169,24 @@ def read_trace(path: str | Path, vocab_size: int = 49152, seed: int = 0) -> Work
                 continue
             try:
                 row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise TypeError(f"a JSON object per line, got {type(row).__name__}")
                 ids = row.get("prompt_token_ids")
                 if ids is None:
-                    ids = [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(int(row["prompt_len"]))]
-                req = BenchRequest(float(row["arrival_s"]), str(row.get("tenant", "tenant0")), row.get("adapter"),
-                                   [int(t) for t in ids], int(row["output_len"]))
+                    ids = [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(_int(row["prompt_len"]))]
+                adapter = row.get("adapter")
+                if adapter is not None and not isinstance(adapter, str):
+                    raise TypeError(f"adapter must be a string or null, got {adapter!r}")
+                req = BenchRequest(float(row["arrival_s"]), str(row.get("tenant", "tenant0")), adapter,
+                                   [_int(t) for t in ids], _int(row["output_len"]))
             except (KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"{path}:{lineno}: bad trace line ({exc!r}): {line.strip()[:200]}") from exc
-            if req.arrival_s < 0 or req.output_len < 1 or not req.prompt_token_ids:
-                raise ValueError(f"{path}:{lineno}: need arrival_s >= 0, output_len >= 1 and a non-empty prompt")
+            if not (math.isfinite(req.arrival_s) and req.arrival_s >= 0) or req.output_len < 1 or not req.prompt_token_ids:
+                raise ValueError(f"{path}:{lineno}: need a finite arrival_s >= 0, output_len >= 1 and a non-empty prompt")
+            if not all(0 <= t < vocab_size for t in req.prompt_token_ids):
+                raise ValueError(f"{path}:{lineno}: prompt token ids must be in [0, {vocab_size})")
             requests.append(req)
+    if not requests:
+        raise ValueError(f"{path}: the trace has no requests")
     requests.sort(key=lambda r: r.arrival_s)
     return Workload(None, requests)

@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from loraplex.bench import report
+from loraplex.bench.metrics import SLO, RunStats, summarize
 from loraplex.bench.run import Bench, Preset
-from loraplex.bench.workload import WorkloadSpec
+from loraplex.bench.workload import WorkloadSpec, read_trace
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +70,8 @@ def test_report_has_the_tables_ratios_and_plots(bench, tmp_path):
                          text), comparison
     n = len(bench.results[0].records)
     assert f"token for token: {n} of {n} requests" in text
-    assert "command: `loraplex bench --preset tiny`" in text and "GFLOP/s" in text
+    assert "command: `loraplex bench --preset tiny`" in text
+    assert re.search(r"float32 \d+ GFLOP/s, bfloat16 \d+ GFLOP/s; MFU = .* the float32 peak", text)
     for png in ("throughput_vs_rate", "ttft_p99_vs_rate", "throughput_vs_adapters"):
         data = (tmp_path / "tiny" / f"{png}.png").read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
@@ -98,3 +100,47 @@ def test_cli_help_lists_the_presets():
     bad = subprocess.run([sys.executable, "-m", "loraplex.cli", "bench", "--preset", "nope"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "invalid choice: 'nope'" in bad.stderr
+
+
+def test_trace_replay_registers_the_traces_own_adapter_names(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"arrival_s": 0.0, "tenant": "acme", "adapter": "support-bot", "prompt_len": 5, "output_len": 3},
+            {"arrival_s": 0.05, "tenant": "zeta", "adapter": "lora12", "prompt_token_ids": [7, 8, 9], "output_len": 2},
+            {"arrival_s": 0.1, "tenant": "acme", "adapter": None, "prompt_len": 4, "output_len": 2}]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    preset = Preset(model="tiny-llama", load_format="dummy", dtype="float32", systems=("engine", "base"), rates=(),
+                    num_adapters=(), alphas=(), max_loras=2)
+    b = Bench(preset, tmp_path / "adapters")
+    b.run(read_trace(trace, vocab_size=512))
+    assert sorted(b.adapter_dirs) == ["lora12", "support-bot"]
+    engine = b.results[0]
+    assert [r.num_output_tokens for r in engine.records] == [3, 2, 2] and all(r.ok for r in engine.records)
+    assert [r.adapter for r in engine.records] == ["support-bot", "lora12", None]
+
+
+def test_a_refused_request_is_that_requests_failure_not_the_runs(tmp_path):
+    from loraplex import LLM
+    from loraplex.bench.systems import run_engine
+    from loraplex.bench.workload import BenchRequest, Workload
+
+    llm = LLM("tiny-llama", load_format="dummy", dtype="float32", num_kv_blocks=4, block_size=16)
+    work = Workload(None, [BenchRequest(0.0, "t", None, [5] * 10, 4), BenchRequest(0.0, "t", None, [5] * 70, 4),
+                           BenchRequest(0.01, "t", "no-such-adapter", [5] * 3, 2)])
+    records, _ = run_engine(llm, work)
+    assert records[0].ok and records[0].num_output_tokens == 4
+    assert "needs 74 tokens of KV cache" in records[1].error and not records[1].ok
+    assert "is not loaded" in records[2].error
+    s = summarize("engine", records, RunStats(), SLO())
+    assert (s.num_ok, s.num_requests) == (1, 3)
+    nothing = summarize("engine", records[1:], RunStats(), SLO())
+    assert nothing.requests_per_s == 0 and nothing.output_tokens_per_s == 0 and nothing.ttft[50] is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--systems", "engine,vllm"], "unknown systems ['vllm']"),
+    (["--trace", "/nonexistent/trace.jsonl"], "No such file"),
+])
+def test_cli_refuses_bad_arguments_before_loading_the_model(args, message):
+    out = subprocess.run([sys.executable, "-m", "loraplex.cli", "bench", *args], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and message in out.stderr, out.stderr

@@ -62,7 +62,14 @@ def test_s2_names_and_ranks_and_tenants():
     assert [spec.tenant_of(i) for i in range(3)] == ["tenant0", "tenant1", "tenant0"]
 
 
-@pytest.mark.parametrize("bad", [dict(rate=0), dict(cv=0), dict(prompt_len=(5, 5)), dict(output_len=(0, 3)),
+def test_an_empty_trace_is_refused(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n")
+    with pytest.raises(ValueError, match="no requests"):
+        read_trace(path)
+
+
+@pytest.mark.parametrize("bad", [dict(duration_s=0), dict(num_requests=0), dict(rank=0), dict(rate=0), dict(cv=0), dict(prompt_len=(5, 5)), dict(output_len=(0, 3)),
                                  dict(setting="S3"), dict(num_adapters=-1), dict(rate=float("inf"))])
 def test_bad_specs_are_refused(bad):
     with pytest.raises(ValueError):
@@ -92,6 +99,12 @@ def test_trace_round_trip_and_prompt_len_lines(tmp_path):
     ("not json", "bad trace line"),
     ('{"arrival_s": -1, "prompt_len": 3, "output_len": 2}', "arrival_s >= 0"),
     ('{"arrival_s": 0, "prompt_token_ids": [], "output_len": 2}', "non-empty prompt"),
+    ('{"arrival_s": NaN, "prompt_len": 3, "output_len": 2}', "finite arrival_s"),
+    ('{"arrival_s": Infinity, "prompt_len": 3, "output_len": 2}', "finite arrival_s"),
+    ('[1, 2]', "a JSON object per line"),
+    ('{"arrival_s": 0, "prompt_len": 3, "output_len": 2.5}', "expected an integer"),
+    ('{"arrival_s": 0, "prompt_len": 3, "output_len": 2, "adapter": 7}', "adapter must be a string"),
+    ('{"arrival_s": 0, "prompt_token_ids": [5, 49152], "output_len": 2}', r"in \[0, 49152\)"),
 ])
 def test_bad_trace_lines_name_the_line(tmp_path, line, message):
     path = tmp_path / "t.jsonl"
