@@ -79,7 +79,8 @@ def main() -> None:
                 write_random_adapter(tmp / f"f{i}", cfg, r=args.rank, alpha=2 * args.rank, targets=ALL, seed=i)
         for i in range(max(counts)):
             llm.load_adapter(f"a{i}", tmp / f"f{i % args.num_files}")
-        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
+        # Untimed warm-up on the real workload: the first large batch pays for first-touch allocations.
+        run(llm, *workload(args.num_requests, 1, args.seed, prompt_len, output_len)[:2], [None] * args.num_requests)
         print(f"# adapter paging, {args.num_requests} requests, rank {args.rank} on all 7 projections, "
               f"max_loras {max_loras}, max_cpu_loras {args.max_cpu_loras}, dtype {llm.engine.dtype}, "
               f"commit {commit}\n")

@@ -149,7 +149,7 @@ class Bench:
         t0 = time.perf_counter()
         if system in ("engine", "static", "base"):
             work = workload.without_adapters() if system == "base" else workload
-            systems.warm_up_engine(self.llm, work.adapters)
+            systems.warm_up_engine(self.llm, work)
             records, stats = systems.run_engine(self.llm, work, static=system == "static")
         elif system == "peft":
             records, stats = systems.run_peft(self._peft_model(workload), workload,

@@ -80,10 +80,12 @@ def run_engine(llm, workload: Workload, *, static: bool = False) -> tuple[list[R
     return records, stats
 
 
-def warm_up_engine(llm, adapters: list[str]) -> None:
-    """One tiny request per adapter (and one on the base model) so weights and slots are touched."""
-    names = [None, *adapters[: llm.engine.config.max_loras]]
-    llm.generate([[100, 101, 102]] * len(names), SamplingParams(max_tokens=2, temperature=0), adapters=names)
+def warm_up_engine(llm, workload: Workload, num_requests: int = 32) -> None:
+    """Untimed: the workload's first requests at once (8 tokens each), so the first timed steps do not pay
+    for first-touch allocations of a large batch, and the most used adapters sit in their slots."""
+    reqs = workload.requests[:num_requests]
+    llm.generate([r.prompt_token_ids for r in reqs], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                 adapters=[r.adapter for r in reqs])
 
 
 def load_peft_model(model_path: Path, adapter_dirs: dict[str, Path], dtype: torch.dtype):
