@@ -121,10 +121,13 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, slices: Sequence[LoRAWeights], me
 
     y: [T, sum H_out_i]; x: [T, H_in]; slices: the projection's LoRAWeights, one per output slice;
     offsets: each slice's first column in y (default: consecutive). Returns y. A step without any
-    adapter row returns at once.
+    adapter row, or whose adapters all leave this projection alone (rank 0 in every active slot),
+    returns at once.
     """
     if not meta.has_lora:
         return y
+    if not any(w.ranks_list[s] for w in slices for s in meta.seg_slots_list):
+        return y  # no adapter in this step targets this projection (e.g. q/k/v/o-only adapters on the MLP)
     if offsets is None:
         offsets, off = [], 0
         for w in slices:

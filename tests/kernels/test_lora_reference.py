@@ -73,6 +73,21 @@ def test_auto_picks_the_cpu_path_measured_fastest(monkeypatch, dtype, num_tokens
     assert lora_ops._pick_backend(x, meta) == expected
 
 
+def test_projection_no_active_adapter_targets_is_skipped(monkeypatch):
+    """Adapters on q/k/v/o only: the MLP's slots are empty (rank 0), so no path runs for them."""
+    case = make_case(12, "uniform", 3, torch.float32, 72, [61], padding="zero", seed=9)
+    active = set(case.meta.seg_slots_list)
+    for s in active:
+        case.slices[0].set_slot(s, None, None, 0.0)
+    for backend in ("auto", "segmented", "packed", "gathered", "triton"):
+        monkeypatch.setattr(lora_ops, "_backend", backend)
+        monkeypatch.setattr(lora_ops, "add_lora_segmented", None)  # any call would raise
+        monkeypatch.setattr(lora_ops, "add_lora_packed", None)
+        monkeypatch.setattr(lora_ops, "add_lora_gathered", None)
+        y = case.y.clone()
+        assert torch.equal(lora_ops.add_lora(y, case.x, case.slices, case.meta), case.y)
+
+
 def test_segments_group_rows_stably():
     meta = build_lora_meta([2, -1, 0, 2, 0], DEVICE)
     assert meta.row_order.tolist() == [2, 4, 0, 3]
