@@ -82,16 +82,19 @@ class AdapterStore:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ValueError(f"invalid adapter {what} {name!r}: use 1-128 letters, digits, '.', '_' or '-'")
 
-    def put(self, owner: str, name: str, config_bytes: bytes, tensors_path: str | os.PathLike) -> str:
+    def put(self, owner: str, name: str, config_bytes: bytes, tensors_path: str | os.PathLike,
+            digest: str | None = None) -> str:
         """Store an adapter (already validated) under owner/name; returns its digest.
 
+        digest: `content_digest` of exactly these bytes when the caller has computed it already (the
+        gateway names entries by it), so a large upload is hashed once, not twice.
         Raises FileExistsError if owner/name exists, ValueError for a bad owner or name.
         """
         tensors_path = Path(tensors_path)
         manifest = self._manifest_path(owner, name)
         if manifest.exists():  # checked again under the lock; this spares hashing and copying
             raise FileExistsError(f"adapter {name!r} already exists")
-        digest = content_digest(config_bytes, tensors_path)
+        digest = digest or content_digest(config_bytes, tensors_path)
         obj = self.root / "objects" / digest
         tmp = None if obj.exists() else self._write_object(config_bytes, tensors_path)  # outside the lock
         try:

@@ -90,7 +90,7 @@ def _store_and_record(gw: Gateway, tenant_id: int, name: str, tmp: Path, rank: i
     digest = content_digest(config, tensors)
     # Exists: the same bytes under this name, from a deleted version still unloading or a concurrent upload.
     with contextlib.suppress(FileExistsError):
-        gw.store.put(str(tenant_id), store_name(name, digest), config, tensors)
+        gw.store.put(str(tenant_id), store_name(name, digest), config, tensors, digest=digest)
     try:
         with gw.sessions.begin() as s:
             row = Adapter(tenant_id=tenant_id, name=name, digest=digest, num_bytes=num_bytes, rank=rank,
