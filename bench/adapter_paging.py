@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loraplex import LLM, SamplingParams  # noqa: E402
 from loraplex.adapters.synthetic import write_random_adapter  # noqa: E402
+from loraplex.bench.report import commit as report_commit  # noqa: E402
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -67,7 +67,7 @@ def main() -> None:
         args.num_requests, counts, prompt_len, output_len = 32, [1, 16], (4, 16), (4, 8)
 
     tmp = Path(tempfile.mkdtemp(prefix="loraplex-paging-"))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = report_commit()
     for k, max_loras in enumerate(int(m) for m in args.max_loras.split(",")):
         llm = LLM(args.model, dtype=args.dtype, max_loras=max_loras, max_cpu_loras=args.max_cpu_loras,
                   max_lora_rank=64, max_num_seqs=args.max_num_seqs)

@@ -34,7 +34,6 @@ import os
 import platform
 import random
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +43,7 @@ import torch
 
 from loraplex import LLM, SamplingParams
 from loraplex.adapters.synthetic import randomize_lora_weights
+from loraplex.bench.report import commit as report_commit
 from loraplex.engine.loader import DEFAULT_MODEL, resolve_model
 
 RANKS = (8, 16, 32, 64)
@@ -206,12 +206,10 @@ def machine_info(args, work: Workload) -> str:
         (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
         platform.processor(),
     )
-    commit = subprocess.run(
-        ["git", "describe", "--always", "--dirty"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = report_commit()
     return "\n".join(
         [
-            f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}; commit {commit or 'unknown'}",
+            f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}; commit {commit}",
             f"- CPU: {cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
             f"load average at start {os.getloadavg()[0]:.1f}",
             f"- dtype {args.dtype}; {len(work.prompts)} requests over {args.num_adapters} adapters "
