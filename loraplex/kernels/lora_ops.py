@@ -1,16 +1,20 @@
 """The engine's one entry point for multi-adapter LoRA: `add_lora`.
 
-Letters: T rows, S adapter slots, R max rank, H_in / H_out in / out features of one slice.
+Letters: T rows, S physical adapter slots, R max rank, V virtual slots (`LoRAWeights`), H_in / H_out
+in / out features of one slice, N the sum of the step's active ranks.
 
-Semantics, for each slice i with column offset off_i, and each row t with s = slot_ids[t] >= 0:
-    y[t, off_i:off_i+H_out_i] += scales_i[s] * (x[t] @ A_i[s, :r_i[s]].T) @ B_i[s, :, :r_i[s]].T
+Semantics, for each slice i with column offset off_i, and each row t with virtual slot s = slot_ids[t]
+>= 0, A_i^s / B_i^s that slot's rank rows / columns:
+    y[t, off_i:off_i+H_out_i] += scales_i[s] * (x[t] @ A_i^s[:r_i[s]].T) @ B_i^s[:, :r_i[s]].T
 Several slices (q, k, v of a fused qkv projection; gate and up) share one x and one call.
 
 Backends: "triton" (SGMV kernels, CUDA), "segmented" (PyTorch reference, one matmul pair per
-segment), "packed" (PyTorch, one matmul pair for all adapters; CPU fast path for small T).
-`LORAPLEX_LORA_BACKEND` or `set_backend` forces one; "auto" picks Triton on CUDA, and on CPU the
-cheaper of packed and segmented. Forcing "triton" on CPU tensors runs the kernels in the Triton
-interpreter, which needs TRITON_INTERPRET=1 set before the kernels module is first imported (tests).
+segment), "packed" (PyTorch, one matmul pair for all adapters; CPU path for few adapters), "bgmv"
+(PyTorch `embedding_bag`, each row reads only its own adapter; CPU path for many adapters, with
+prefill-sized segments split off to "packed"). `LORAPLEX_LORA_BACKEND` or `set_backend` forces one;
+"auto" picks Triton on CUDA, and on CPU packed up to N <= 96, else bgmv. Forcing "triton" on CPU
+tensors runs the kernels in the Triton interpreter, which needs TRITON_INTERPRET=1 set before the
+kernels module is first imported (tests).
 """
 
 from __future__ import annotations
@@ -21,30 +25,49 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loraplex.kernels.metadata import LoRAMeta
-from loraplex.kernels.reference import add_lora_gathered, add_lora_packed, add_lora_segmented
+from loraplex.kernels.metadata import LoRAMeta, build_lora_meta
+from loraplex.kernels.reference import (
+    add_lora_bgmv,
+    add_lora_dense_segments,
+    add_lora_packed,
+    add_lora_segmented,
+)
 
-BACKENDS = ("auto", "triton", "segmented", "packed", "gathered")
+BACKENDS = ("auto", "triton", "segmented", "packed", "bgmv")
 _backend = os.environ.get("LORAPLEX_LORA_BACKEND", "auto")
 
-# CPU path choice, measured on a 2-core AVX512-BF16 CPU (decode-shaped steps, q/k/v/o/gate/up/down
-# of the default model, 30 layers). The packed path multiplies every row by all N active rank
-# columns; in bf16 it beat the others everywhere measured (64 rows over 64 rank-8 adapters: packed 45 ms,
-# gathered 109 ms, segmented 508 ms per step; T x N = 512K: 430 ms against 922 ms). In fp32 it loses
-# past about T x N = 160K or N = 1K (64 rows over 64 rank-32 adapters: packed 616 ms, segmented 556 ms,
-# gathered 189 ms), where per-row gathering wins while segments hold a row or two, and one matmul pair
-# per segment wins when they hold more (256 rows over 64 adapters: 769 ms against 2,178 ms gathered).
-PACKED_LIMITS = {torch.float32: (1024, 160 * 1024)}  # dtype -> (max N, max T x N)
-PACKED_LIMITS_16BIT = (4096, 1024 * 1024)
+# CPU path choice, measured on a 2-core AVX512-BF16 CPU (bf16, the default model's q/k/v/o and MLP
+# shapes, rank-8 adapters; /tmp-free numbers in docs/kernels.md). The packed path multiplies every row
+# by all N active rank columns in two dense matmuls: cheapest while N is small (one adapter: 0.15 of
+# the base projections' time at T = 64, against 0.26 for bgmv). bgmv reads only each row's own
+# adapter, so its cost does not grow with the number of adapters: it wins from about 8-16 adapters
+# per step (64 rows over 64 adapters: bgmv 0.31, packed 0.78 of the base projections' time).
+PACKED_LIMITS = {torch.float32: (96, 160 * 1024)}  # dtype -> (max N, max T x N)
+PACKED_LIMITS_16BIT = (96, 1024 * 1024)
+# With bgmv, segments of at least this many rows (long prefill chunks) take one dense matmul pair each
+# (`add_lora_dense_segments`), reading their adapter once for all their rows. Measured on the paging
+# benchmark (prefill chunks of 8-64 rows among ~50 decodes): splitting at 16 rows cost 4.6 s of LoRA
+# time against 3.2 s for bgmv on every row, so only longer chunks are split off.
+LONG_SEGMENT_ROWS = 128
 
 
 @dataclass
 class LoRAWeights:
-    """Stacked adapter-slot buffers of one projection (one slice).
+    """Stacked adapter-slot buffers of one projection (one slice), paged by rank (S-LoRA's unified
+    paging, arXiv:2311.03285, at the granularity of `page` rank rows).
 
-    A: [S, R, H_in]; B: [S, H_out, R] (PEFT's lora_A / lora_B weight layouts, stacked by slot);
-    ranks: [S] int32, scales: [S] fp32 on the buffers' device; host copies in `ranks_list` and
-    `scales_list`. An empty slot has rank 0 and all-zero A and B.
+    A: [S, R, H_in]; B: [S, H_out, R] (PEFT's lora_A / lora_B weight layouts, stacked by physical slot).
+    The S x R rank rows are cut into V = S x R / page *virtual slots* of `page` rows each; an adapter
+    of rank r sits at a virtual slot v and owns the ceil(r / page) pages from there, inside one
+    physical slot: A rows (v x page) .. + r of A viewed as [S x R, H_in], and B columns
+    (v x page) % R .. + r of physical slot (v x page) // R. With page == R (the default) a virtual
+    slot is a physical slot; with a smaller page a rank-8 adapter takes 8 rows, not R, so S slots of
+    max rank R hold S x R / 8 rank-8 adapters. The slot ids of `LoRAMeta` are virtual slots.
+
+    ranks: [V] int32, scales: [V] fp32 on the buffers' device; host copies in `ranks_list` and
+    `scales_list`. Rows no adapter owns hold zeros. On CPU, `AT` [S, H_in, R] and `BT` [S, R, H_out]
+    mirror A and B transposed, BT scaled by each adapter's scale: the tables the CPU gather path
+    (`add_lora_bgmv`) reads.
     """
 
     A: torch.Tensor
@@ -55,38 +78,84 @@ class LoRAWeights:
     scales_list: list[float] = field(default_factory=list)
     version: int = 0
     packed_cache: tuple | None = field(default=None, repr=False)
+    page: int = 0  # rank rows per virtual slot; 0 means R
+    AT: torch.Tensor | None = field(default=None, repr=False)
+    BT: torch.Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if not self.page:
+            self.page = self.A.shape[1]
+        if self.A.shape[1] % self.page:
+            raise ValueError(f"page {self.page} does not divide the max rank {self.A.shape[1]}")
 
     @classmethod
     def empty(cls, num_slots: int, max_rank: int, in_features: int, out_features: int,
-              dtype: torch.dtype, device: torch.device | str) -> LoRAWeights:
-        """Zeroed buffers for `num_slots` slots of rank up to `max_rank`."""
+              dtype: torch.dtype, device: torch.device | str, page: int = 0) -> LoRAWeights:
+        """Zeroed buffers for `num_slots` physical slots of rank up to `max_rank`, in virtual slots of
+        `page` rows (0: one per physical slot). The CPU mirrors are allocated on a CPU device."""
+        page = page or max_rank
+        num_virtual = num_slots * max_rank // page
+        on_cpu = torch.device(device).type == "cpu"
         return cls(
             A=torch.zeros(num_slots, max_rank, in_features, dtype=dtype, device=device),
             B=torch.zeros(num_slots, out_features, max_rank, dtype=dtype, device=device),
-            ranks=torch.zeros(num_slots, dtype=torch.int32, device=device),
-            scales=torch.zeros(num_slots, dtype=torch.float32, device=device),
-            ranks_list=[0] * num_slots,
-            scales_list=[0.0] * num_slots,
+            ranks=torch.zeros(num_virtual, dtype=torch.int32, device=device),
+            scales=torch.zeros(num_virtual, dtype=torch.float32, device=device),
+            ranks_list=[0] * num_virtual,
+            scales_list=[0.0] * num_virtual,
+            page=page,
+            AT=torch.zeros(num_slots, in_features, max_rank, dtype=dtype) if on_cpu else None,
+            BT=torch.zeros(num_slots, max_rank, out_features, dtype=dtype) if on_cpu else None,
         )
 
-    def set_slot(self, slot: int, A: torch.Tensor | None, B: torch.Tensor | None, scale: float) -> None:
-        """Write one adapter's weights into `slot`: A [r, H_in], B [H_out, r]; None clears the slot.
+    @property
+    def num_virtual_slots(self) -> int:
+        """V = S x R / page."""
+        return self.A.shape[0] * self.A.shape[1] // self.page
 
-        The rank padding beyond r is zeroed, so the packed path and the kernels see exact zeros.
-        Raises ValueError when r exceeds the buffers' max rank or the shapes do not fit.
+    def locate(self, slot: int) -> tuple[int, int]:
+        """(physical slot, first rank row inside it) of virtual slot `slot`."""
+        return divmod(slot * self.page, self.A.shape[1])
+
+    def a_rows(self, slot: int, r: int) -> torch.Tensor:
+        """[r, H_in] view: rank rows 0..r-1 of the adapter at virtual slot `slot`."""
+        phys, row = self.locate(slot)
+        return self.A[phys, row:row + r]
+
+    def b_cols(self, slot: int, r: int) -> torch.Tensor:
+        """[H_out, r] view: rank columns 0..r-1 of the adapter at virtual slot `slot`."""
+        phys, row = self.locate(slot)
+        return self.B[phys, :, row:row + r]
+
+    def set_slot(self, slot: int, A: torch.Tensor | None, B: torch.Tensor | None, scale: float) -> None:
+        """Write one adapter's weights at virtual slot `slot`: A [r, H_in], B [H_out, r]; None clears it.
+
+        The rows the slot's previous adapter wrote are zeroed first, so rows nobody owns stay zero for
+        the packed path and the kernels. Raises ValueError when the weights do not fit the buffers or
+        run past the end of the physical slot.
         """
         self.version += 1  # invalidates weights cached for the packed path
-        self.A[slot].zero_()
-        self.B[slot].zero_()
+        if not 0 <= slot < self.num_virtual_slots:
+            raise ValueError(f"virtual slot {slot} out of range [0, {self.num_virtual_slots})")
+        phys, row = self.locate(slot)
+        old = self.ranks_list[slot]
+        self.A[phys, row:row + old].zero_()
+        self.B[phys, :, row:row + old].zero_()
+        if self.AT is not None:
+            self.AT[phys, :, row:row + old].zero_()
+            self.BT[phys, row:row + old].zero_()
         if A is None:
             r, scale = 0, 0.0
         else:
             r = A.shape[0]
-            if r > self.A.shape[1] or A.shape[1] != self.A.shape[2] or tuple(B.shape) != (self.B.shape[1], r):
+            if row + r > self.A.shape[1] or A.shape[1] != self.A.shape[2] or tuple(B.shape) != (self.B.shape[1], r):
                 raise ValueError(f"adapter weights A{tuple(A.shape)} B{tuple(B.shape)} do not fit slot "
-                                 f"buffers A{tuple(self.A.shape[1:])} B{tuple(self.B.shape[1:])}")
-            self.A[slot, :r].copy_(A)
-            self.B[slot, :, :r].copy_(B)
+                                 f"buffers A{tuple(self.A.shape[1:])} B{tuple(self.B.shape[1:])} at rank row {row}")
+            self.A[phys, row:row + r].copy_(A)
+            self.B[phys, :, row:row + r].copy_(B)
+            if self.AT is not None:
+                self.AT[phys, :, row:row + r].copy_(A.T)
+                self.BT[phys, row:row + r].copy_((B.float() * scale).T)
         self.ranks[slot] = r
         self.scales[slot] = scale
         self.ranks_list[slot] = r
@@ -101,7 +170,7 @@ def set_backend(name: str) -> None:
     _backend = name
 
 
-def _pick_backend(x: torch.Tensor, meta: LoRAMeta) -> str:
+def _pick_backend(x: torch.Tensor, meta: LoRAMeta, slices: Sequence[LoRAWeights]) -> str:
     if _backend != "auto":
         return _backend
     if x.is_cuda:
@@ -112,7 +181,22 @@ def _pick_backend(x: torch.Tensor, meta: LoRAMeta) -> str:
     max_n, max_tn = PACKED_LIMITS.get(x.dtype, PACKED_LIMITS_16BIT)
     if n <= max_n and meta.num_tokens * n <= max_tn:
         return "packed"
-    return "gathered" if meta.row_order.numel() <= 2 * meta.num_segments else "segmented"
+    return "bgmv" if all(w.AT is not None for w in slices) else "segmented"
+
+
+def _split_long_segments(meta: LoRAMeta) -> tuple:
+    """(meta of the long segments' rows, meta of the other rows), or () when the step has no mix of
+    both (cached on meta: every layer of the step splits the same way)."""
+    if meta._split is None:
+        long = {s for s, n in zip(meta.seg_slots_list, meta.seg_lens_list, strict=True) if n >= LONG_SEGMENT_ROWS}
+        meta._split = ()
+        if long and len(long) < meta.num_segments:
+            ids = meta.slot_ids.tolist()
+            parts = [[s if s >= 0 and (s in long) == keep else -1 for s in ids] for keep in (True, False)]
+            meta._split = tuple(build_lora_meta(p, meta.slot_ids.device, meta.slot_ranks) for p in parts)
+            for part in meta._split:
+                part._split = ()
+    return meta._split
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, slices: Sequence[LoRAWeights], meta: LoRAMeta,
@@ -133,11 +217,17 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, slices: Sequence[LoRAWeights], me
         for w in slices:
             offsets.append(off)
             off += w.B.shape[1]
-    backend = _pick_backend(x, meta)
+    backend = _pick_backend(x, meta, slices)
     if backend == "packed":
         return add_lora_packed(y, x, slices, meta, list(offsets))
-    if backend == "gathered":
-        return add_lora_gathered(y, x, slices, meta, list(offsets))
+    if backend == "bgmv":
+        if any(w.AT is None for w in slices):
+            raise ValueError("the bgmv path reads the CPU mirrors of LoRAWeights.empty(device='cpu')")
+        parts = _split_long_segments(meta) if _backend == "auto" else ()
+        if parts:  # prefill chunks through dense matmuls, the rest gathered per row
+            add_lora_dense_segments(y, x, slices, parts[0], list(offsets))
+            return add_lora_bgmv(y, x, slices, parts[1], list(offsets))
+        return add_lora_bgmv(y, x, slices, meta, list(offsets))
     if backend == "triton":
         from loraplex.kernels.triton_sgmv import add_lora_triton
 

@@ -42,6 +42,8 @@ class LoRAMeta:
     seg_lens_list: list[int]
     slot_ranks: list[int] | None = None
     _packed: dict | None = None
+    _bgmv: dict | None = None
+    _split: tuple | None = None
     _row_tiles: dict | None = None
 
     @property

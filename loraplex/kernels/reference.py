@@ -1,7 +1,8 @@
 """PyTorch reference of the multi-adapter LoRA ops; also the CPU path of the engine.
 
-Letters: T rows, S adapter slots, R max rank, H_in / H_out the projection's in / out features,
-N sum over active slots of their rank (the packed path's inner size).
+Letters: T rows, S physical adapter slots, R max rank, V virtual slots of `page` rank rows (see
+`LoRAWeights`), H_in / H_out the projection's in / out features, N sum over active slots of their
+rank (the packed path's inner size). Slot ids are virtual slots.
 
 Semantics (Punica, arXiv:2310.18547), for row t with slot s = slot_ids[t] >= 0 and r = ranks[s]:
     shrink:  v[t, :r] = x[t] @ A[s, :r].T
@@ -12,6 +13,7 @@ Rows with slot -1 are never written, so they keep exactly the base model's outpu
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from loraplex.kernels.metadata import LoRAMeta
 
@@ -20,38 +22,37 @@ from loraplex.kernels.metadata import LoRAMeta
 BLOCK_DIAGONAL_MAX_COLUMNS = 32
 
 
-def lora_shrink_ref(x: torch.Tensor, A: torch.Tensor, ranks: list[int], meta: LoRAMeta,
-                    v: torch.Tensor) -> torch.Tensor:
-    """v[rows of slot s, :r_s] = x[rows] @ A[s, :r_s].T, segment by segment; fp32 accumulation.
+def lora_shrink_ref(x: torch.Tensor, w, meta: LoRAMeta, v: torch.Tensor) -> torch.Tensor:
+    """v[rows of slot s, :r_s] = x[rows] @ A_s[:r_s].T, segment by segment; fp32 accumulation.
 
-    x: [T, H_in]; A: [S, R, H_in]; ranks: host list [S]; v: [T, R] output (fp32 or x.dtype). Only
-    rows with an adapter and columns below their slot's rank are written. Returns v.
+    x: [T, H_in]; w: the slice's LoRAWeights (A_s = `w.a_rows(s, r_s)`, r_s = `w.ranks_list[s]`);
+    v: [T, R] output (fp32 or x.dtype). Only rows with an adapter and columns below their slot's rank
+    are written. Returns v.
     """
     for slot, start, n in zip(meta.seg_slots_list, meta.seg_starts_list, meta.seg_lens_list, strict=True):
-        r = ranks[slot]
+        r = w.ranks_list[slot]
         if r == 0:
             continue
         rows = meta.row_order[start:start + n]
         xs = x.index_select(0, rows).float()  # [n, H_in]
-        v[rows, :r] = (xs @ A[slot, :r].float().T).to(v.dtype)  # [n, r]
+        v[rows, :r] = (xs @ w.a_rows(slot, r).float().T).to(v.dtype)  # [n, r]
     return v
 
 
-def lora_expand_ref(y: torch.Tensor, v: torch.Tensor, B: torch.Tensor, ranks: list[int],
-                    scales: list[float], meta: LoRAMeta, offset: int = 0) -> torch.Tensor:
-    """y[rows of slot s, offset:offset+H_out] += scales[s] * v[rows, :r_s] @ B[s, :, :r_s].T.
+def lora_expand_ref(y: torch.Tensor, v: torch.Tensor, w, meta: LoRAMeta, offset: int = 0) -> torch.Tensor:
+    """y[rows of slot s, offset:offset+H_out] += scale_s * v[rows, :r_s] @ B_s[:, :r_s].T.
 
-    y: [T, H_total] updated in place; v: [T, R]; B: [S, H_out, R]; ranks, scales: host lists [S].
-    Accumulates in fp32, adds once in y.dtype. Returns y.
+    y: [T, H_total] updated in place; v: [T, R]; w: the slice's LoRAWeights (B_s = `w.b_cols(s, r_s)`,
+    scale_s = `w.scales_list[s]`). Accumulates in fp32, adds once in y.dtype. Returns y.
     """
-    h_out = B.shape[1]
+    h_out = w.B.shape[1]
     for slot, start, n in zip(meta.seg_slots_list, meta.seg_starts_list, meta.seg_lens_list, strict=True):
-        r = ranks[slot]
+        r = w.ranks_list[slot]
         if r == 0:
             continue
         rows = meta.row_order[start:start + n]
-        delta = (v.index_select(0, rows)[:, :r].float() @ B[slot, :, :r].float().T) * scales[slot]  # [n, H_out]
-        y[rows, offset:offset + h_out] += delta.to(y.dtype)
+        delta = (v.index_select(0, rows)[:, :r].float() @ w.b_cols(slot, r).float().T) * w.scales_list[slot]
+        y[rows, offset:offset + h_out] += delta.to(y.dtype)  # delta: [n, H_out]
     return y
 
 
@@ -60,8 +61,8 @@ def add_lora_segmented(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
     """Reference `add_lora`: shrink then expand for each slice, one segment at a time (fp32 maths)."""
     for w, off in zip(slices, offsets, strict=True):
         v = torch.zeros(x.shape[0], w.A.shape[1], dtype=torch.float32, device=x.device)  # [T, R]
-        lora_shrink_ref(x, w.A, w.ranks_list, meta, v)
-        lora_expand_ref(y, v, w.B, w.ranks_list, w.scales_list, meta, off)
+        lora_shrink_ref(x, w, meta, v)
+        lora_expand_ref(y, v, w, meta, off)
     return y
 
 
@@ -130,8 +131,12 @@ def _packed_weights(slices, meta: LoRAMeta, s_idx: torch.Tensor, r_idx: torch.Te
            tuple((id(w), w.version) for w in slices))
     w0 = slices[0]
     if w0.packed_cache is None or w0.packed_cache[0] != key:
-        a = torch.cat([w.A[s_idx, r_idx] * w.scales[s_idx].to(w.A.dtype)[:, None] for w in slices])
-        bs = [w.B[s_idx, :, r_idx].contiguous() for w in slices]
+        a, bs = [], []
+        for w in slices:
+            rows = s_idx * w.page + r_idx  # [N] rank rows of A viewed as [S x R, H_in]
+            a.append(w.A.view(-1, w.A.shape[2])[rows] * w.scales[s_idx].to(w.A.dtype)[:, None])
+            bs.append(w.B[rows // w.A.shape[1], :, rows % w.A.shape[1]].contiguous())  # [N, H_out]
+        a = torch.cat(a)
         w0.packed_cache = (key, a.contiguous(), bs, {})
     return w0.packed_cache[1], w0.packed_cache[2]
 
@@ -150,25 +155,97 @@ def _block_diagonal(bs: list[torch.Tensor], slices) -> torch.Tensor:
     return extra["bd"]
 
 
-def add_lora_gathered(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
-                      offsets: list[int]) -> torch.Tensor:
-    """CPU path for many distinct adapters (BGMV's shape, Punica): each row's own A and B gathered
-    into per-row stacks, then two batched matmuls per slice.
-
-    FLOPs are the minimum (T_a x R x (H_in + H_out)); the price is copying T_a x R x (H_in + H_out)
-    weights per slice and step, cheaper than one small matmul pair per segment once most segments
-    hold a row or two (decode over many adapters), and cheaper than the packed path once N is large.
-    R is the largest rank in the step; the zero padding of smaller ranks adds nothing.
-    """
-    rows = meta.row_order  # [T_a] rows with an adapter, grouped by slot
-    sid = meta.slot_ids.to(torch.int64).index_select(0, rows)  # [T_a]
-    r = max(meta.slot_ranks[s] for s in meta.seg_slots_list) if meta.slot_ranks else slices[0].A.shape[1]
-    xs = x.index_select(0, rows)[:, None, :]  # [T_a, 1, H_in]
-    for w, off in zip(slices, offsets, strict=True):
-        a = w.A[:, :r].index_select(0, sid)  # [T_a, r, H_in]
-        v = torch.bmm(xs, a.transpose(1, 2))  # [T_a, 1, r]
-        v = v * w.scales.to(v.dtype).index_select(0, sid)[:, None, None]
-        b = w.B[:, :, :r].index_select(0, sid)  # [T_a, H_out, r]
-        delta = torch.bmm(v, b.transpose(1, 2))[:, 0].to(y.dtype)  # [T_a, H_out]
-        y[:, off:off + b.shape[1]].index_add_(0, rows, delta)
+def add_lora_dense_segments(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
+                            offsets: list[int]) -> torch.Tensor:
+    """One matmul pair per segment and slice, in x.dtype, straight on the slot buffers (no packing,
+    no cache): the CPU path for the few long segments (prefill chunks) of a bgmv step."""
+    for slot, start, n in zip(meta.seg_slots_list, meta.seg_starts_list, meta.seg_lens_list, strict=True):
+        rows = meta.row_order[start:start + n]
+        xs = x.index_select(0, rows)  # [n, H_in]
+        for w, off in zip(slices, offsets, strict=True):
+            r = w.ranks_list[slot]
+            if r:
+                delta = (xs @ w.a_rows(slot, r).T) @ (w.b_cols(slot, r).T * w.scales_list[slot])  # [n, H_out]
+                y[:, off:off + delta.shape[1]].index_add_(0, rows, delta.to(y.dtype))
     return y
+
+
+def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
+                  offsets: list[int]) -> torch.Tensor:
+    """CPU path for many distinct adapters (BGMV's per-row gather, Punica), on `embedding_bag`.
+
+    Each row reads only its own adapter's weights, straight from the slot buffers' CPU mirrors (no
+    copy of them, no FLOPs on other adapters' columns). Shrink: with AT viewed as a table of rows
+    (physical slot, h, page) of `page` rank values, row t's page j is the sum over h of
+    x[t, h] * AT[slot_t, h, page_t + j]: one bag of H_in table rows weighted by x[t]. Expand: row t's
+    delta is the sum over its rank rows j of v[t, j] * BT[j-th rank row of its slot] (BT holds
+    scale * B.T): one bag of r_t table rows weighted by v[t]. Two `embedding_bag` calls per slice,
+    whatever the number of adapters; maths in x.dtype with fp32 accumulation inside the op.
+
+    Needs the mirrors (`LoRAWeights.empty` on CPU) and `meta.slot_ranks`. Rows without an adapter
+    are neither read nor written.
+    """
+    plan = _bgmv_plan(meta, slices[0], x.device)
+    rows = plan["rows"]
+    xs = x if rows is None else x.index_select(0, rows)  # [T_a, H_in]
+    h_in = x.shape[1]
+    s_idx, s_off, s_valid = _bgmv_shrink_index(plan, slices[0], h_in)
+    xw = xs.unsqueeze(1).expand(-1, plan["n_max"], -1)  # [T_a, n_max, H_in]
+    xw = xw.reshape(-1) if s_valid is None else xw[s_valid].reshape(-1)
+    for w, off in zip(slices, offsets, strict=True):
+        if not any(w.ranks_list[s] for s in meta.seg_slots_list):
+            continue  # no adapter of this step touches this slice
+        table = w.AT.view(-1, w.page)  # rows (physical slot, h, page) of `page` rank values
+        v = F.embedding_bag(s_idx, table, s_off, mode="sum", per_sample_weights=xw)  # [T_a n_max, page]
+        v = v.view(xs.shape[0], -1)  # [T_a, n_max page]
+        vw = v.reshape(-1) if plan["e_valid"] is None else v[plan["e_valid"]]
+        delta = F.embedding_bag(plan["e_idx"], w.BT.view(-1, w.BT.shape[2]), plan["e_off"], mode="sum",
+                                per_sample_weights=vw)  # [T_a, H_out]
+        h_out = w.BT.shape[2]
+        if rows is None:
+            y[:, off:off + h_out] += delta
+        else:
+            y[:, off:off + h_out].index_add_(0, rows, delta)
+    return y
+
+
+def _bgmv_plan(meta: LoRAMeta, w, device: torch.device) -> dict:
+    """Per-step gather plan shared by every layer (cached on meta): the rows with an adapter in
+    their own order (None when all rows have one), each row's pages, and the expand bags."""
+    if meta._bgmv is None:
+        meta._bgmv = {}
+    if w.page in meta._bgmv:
+        return meta._bgmv[w.page]
+    slot_ids = meta.slot_ids.to(torch.int64)
+    rows = torch.nonzero(slot_ids >= 0).flatten() if meta.row_order.numel() < meta.num_tokens else None
+    sid = slot_ids if rows is None else slot_ids[rows]  # [T_a]
+    ranks = torch.tensor(meta.slot_ranks, dtype=torch.int64)[sid]  # [T_a] each row's adapter rank
+    pages = (ranks + w.page - 1) // w.page  # [T_a] pages each row's adapter spans
+    n_max = int(pages.max())
+    cols = torch.arange(n_max * w.page)  # [n_max page]
+    e_valid = None if bool((pages == n_max).all()) else cols[None, :] < (pages * w.page)[:, None]
+    e_idx = sid[:, None] * w.page + cols[None, :]  # [T_a, n_max page] rank rows of BT viewed [S x R, H_out]
+    lengths = pages * w.page
+    plan = {"rows": rows, "sid": sid, "pages": pages, "n_max": n_max, "e_valid": e_valid,
+            "e_idx": e_idx.flatten() if e_valid is None else e_idx[e_valid],
+            "e_off": torch.cumsum(lengths, 0) - lengths}
+    meta._bgmv[w.page] = plan
+    return plan
+
+
+def _bgmv_shrink_index(plan: dict, w, h_in: int):
+    """(indices, offsets, valid) of the shrink bags for inputs of width h_in (cached in the plan):
+    bag (t, j) for j < n_max holds table rows (physical slot, h, first page + j) for h < h_in; bags
+    past a row's own pages are empty (they sum to zero) and valid marks the others (None: all)."""
+    key = ("shrink", h_in, w.A.shape[1])
+    if key not in plan:
+        per_slot = w.A.shape[1] // w.page  # pages per physical slot
+        phys, first = plan["sid"] // per_slot, plan["sid"] % per_slot  # [T_a]
+        j = torch.arange(plan["n_max"])
+        idx = ((phys * h_in * per_slot + first)[:, None, None] + j[None, :, None]
+               + (torch.arange(h_in) * per_slot)[None, None, :])  # [T_a, n_max, H_in]
+        valid = None if plan["e_valid"] is None else j[None, :] < plan["pages"][:, None]  # [T_a, n_max]
+        lengths = torch.full((idx.shape[0] * plan["n_max"],), h_in) if valid is None else valid.flatten() * h_in
+        plan[key] = (idx.flatten() if valid is None else idx[valid].flatten(),
+                     torch.cumsum(lengths, 0) - lengths, valid)
+    return plan[key]

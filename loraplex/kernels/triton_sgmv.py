@@ -1,11 +1,14 @@
 """Triton SGMV kernels: multi-adapter LoRA shrink and expand over segments of same-slot rows.
 
-Letters: T rows, S adapter slots, R max rank of a slice's buffers, H_in / H_out in / out features,
-n slices (q, k, v of a fused qkv projection; gate and up) sharing x and one launch per kernel.
+Letters: T rows, S physical adapter slots, R max rank of a slice's buffers, V = S x R / page
+virtual slots of `page` rank rows each (see `LoRAWeights`), H_in / H_out in / out features, n slices
+(q, k, v of a fused qkv projection; gate and up) sharing x and one launch per kernel.
 
-Semantics, for slice i, row t with slot s = slot_ids[t] >= 0 and r = ranks_i[s]:
-    shrink:  v[i, t, :r] = x[t] @ A_i[s, :r].T
-    expand:  y[t, off_i:off_i+H_out_i] += scales_i[s] * v[i, t, :r] @ B_i[s, :, :r].T
+Semantics, for slice i, row t with virtual slot s = slot_ids[t] >= 0 and r = ranks_i[s], where the
+adapter's rows start at flat rank row p = s x page_i, that is physical slot p // R_i, row p % R_i:
+    shrink:  v[i, t, :r] = x[t] @ A_i.view(S x R, H_in)[p:p+r].T
+    expand:  y[t, off_i:off_i+H_out_i] += scales_i[s] * v[i, t, :r] @ B_i[p // R_i, :, p % R_i:p % R_i + r].T
+With page == R a virtual slot is a physical slot: A_i[s, :r] and B_i[s, :, :r].
 
 Grid: one program per row tile (`LoRAMeta.row_tiles`: a segment cut into runs of `block_m` rows)
 times, for shrink, slice x split-K part, and for expand, a column block of one slice. Unlike a
@@ -18,7 +21,8 @@ Slices travel as a table of raw device addresses (`_slice_table`), not a stacked
 buffers, so a launch costs no copy of the adapters' weights.
 
 Invariants: a row without an adapter, and a row whose slot has rank 0 in a slice, is never written;
-weight padding beyond a slot's rank is masked out of every load, so NaN there cannot leak.
+every load is masked to the adapter's own r rank rows, so NaN in rows beyond its rank, in rows no
+adapter owns, or in a neighbouring adapter's pages of the same physical slot cannot leak.
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _sgmv_shrink_kernel(x_ptr, v_ptr, row_order_ptr, tiles_ptr, a_ptrs, rank_ptrs, r_maxs,
+def _sgmv_shrink_kernel(x_ptr, v_ptr, row_order_ptr, tiles_ptr, a_ptrs, rank_ptrs, pages,
                         h_in, stride_xt, stride_vs, stride_vt,
                         W_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                         BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr,
@@ -89,7 +93,8 @@ def _sgmv_shrink_kernel(x_ptr, v_ptr, row_order_ptr, tiles_ptr, a_ptrs, rank_ptr
     first = tl.load(tiles_ptr + tile * 3 + 1)
     end = tl.load(tiles_ptr + tile * 3 + 2)
     rank = tl.load(tl.load(rank_ptrs + sl).to(tl.pointer_type(tl.int32)) + slot)
-    a_ptr = tl.load(a_ptrs + sl).to(tl.pointer_type(W_DTYPE)) + slot * tl.load(r_maxs + sl) * h_in
+    # The adapter's rank rows start at flat row slot x page of A viewed as [S x R, H_in].
+    a_ptr = tl.load(a_ptrs + sl).to(tl.pointer_type(W_DTYPE)) + slot * tl.load(pages + sl) * h_in
     v_ptr += sl * stride_vs
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
@@ -131,7 +136,7 @@ def _sgmv_shrink_kernel(x_ptr, v_ptr, row_order_ptr, tiles_ptr, a_ptrs, rank_ptr
 
 @triton.jit
 def _sgmv_expand_kernel(y_ptr, v_ptr, row_order_ptr, tiles_ptr, col_blocks_ptr, b_ptrs, rank_ptrs,
-                        scale_ptrs, r_maxs, h_outs, y_offs, stride_yt, stride_vs, stride_vt,
+                        scale_ptrs, r_maxs, pages, h_outs, y_offs, stride_yt, stride_vs, stride_vt,
                         W_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
     tile = tl.program_id(0)
@@ -145,7 +150,9 @@ def _sgmv_expand_kernel(y_ptr, v_ptr, row_order_ptr, tiles_ptr, col_blocks_ptr, 
         scale = tl.load(tl.load(scale_ptrs + sl).to(tl.pointer_type(tl.float32)) + slot)
         r_max = tl.load(r_maxs + sl)
         h_out = tl.load(h_outs + sl)
-        b_ptr = tl.load(b_ptrs + sl).to(tl.pointer_type(W_DTYPE)) + slot * h_out * r_max
+        # Physical slot p // R, rank columns from p % R, for the adapter's first flat rank row p.
+        p = slot * tl.load(pages + sl)
+        b_ptr = tl.load(b_ptrs + sl).to(tl.pointer_type(W_DTYPE)) + (p // r_max) * h_out * r_max + p % r_max
         y_ptr += tl.load(y_offs + sl)
         v_ptr += sl * stride_vs
         n_mask = n < h_out
@@ -192,15 +199,15 @@ def pick_tiles(meta: LoRAMeta) -> TileConfig:
 
 
 def _slice_table(slices: Sequence[LoRAWeights], offsets: Sequence[int], device: torch.device):
-    """int64 [7, n] rows: A, B, ranks, scales addresses, R, H_out, y offset per slice; and a dict of
-    column-block tables, filled by `_col_blocks`. Cached: the slot buffers live as long as the model."""
-    key = (tuple((w.A.data_ptr(), w.B.data_ptr(), w.ranks.data_ptr(), w.scales.data_ptr(), *w.B.shape)
+    """int64 [8, n] rows: A, B, ranks, scales addresses, R, H_out, y offset, page per slice; and a dict
+    of column-block tables, filled by `_col_blocks`. Cached: the slot buffers live as long as the model."""
+    key = (tuple((w.A.data_ptr(), w.B.data_ptr(), w.ranks.data_ptr(), w.scales.data_ptr(), *w.B.shape, w.page)
                  for w in slices), tuple(offsets), device)
     if key not in _slice_cache:
         if len(_slice_cache) >= _SLICE_CACHE_SIZE:
             _slice_cache.clear()
         rows = [[w.A.data_ptr(), w.B.data_ptr(), w.ranks.data_ptr(), w.scales.data_ptr(), w.A.shape[1],
-                 w.B.shape[1], off] for w, off in zip(slices, offsets, strict=True)]
+                 w.B.shape[1], off, w.page] for w, off in zip(slices, offsets, strict=True)]
         _slice_cache[key] = (torch.tensor(rows, dtype=torch.int64, device=device).T.contiguous(), {})
     return _slice_cache[key]
 
@@ -243,16 +250,24 @@ def _check_slices(slices: Sequence[LoRAWeights], meta: LoRAMeta, device: torch.d
             raise ValueError(f"slice {i}: weights {w.A.dtype}/{w.B.dtype} but x {dtype}")
         if not (w.A.is_contiguous() and w.B.is_contiguous()):
             raise ValueError(f"slice {i}: A and B must be contiguous")
-        num_slots, max_rank = w.A.shape[:2]
-        if w.ranks.dtype != torch.int32 or w.scales.dtype != torch.float32 or w.ranks.shape != (num_slots,) \
-                or w.scales.shape != (num_slots,) or not (w.ranks.is_contiguous() and w.scales.is_contiguous()):
-            raise ValueError(f"slice {i}: ranks must be contiguous int32 [S] and scales fp32 [S], S={num_slots}")
+        max_rank = w.A.shape[1]
+        if not isinstance(w.page, int) or w.page < 1 or max_rank % w.page:
+            raise ValueError(f"slice {i}: page {w.page} must be a positive divisor of the max rank {max_rank}")
+        num_virtual = w.num_virtual_slots
+        if w.ranks.dtype != torch.int32 or w.scales.dtype != torch.float32 or w.ranks.shape != (num_virtual,) \
+                or w.scales.shape != (num_virtual,) or not (w.ranks.is_contiguous() and w.scales.is_contiguous()):
+            raise ValueError(f"slice {i}: ranks must be contiguous int32 [V] and scales fp32 [V], "
+                             f"V={num_virtual} virtual slots of page {w.page}")
         if any(t.device != device for t in (w.A, w.B, w.ranks, w.scales)):
             raise ValueError(f"slice {i}: buffers not all on {device}")
-        if max(meta.seg_slots_list, default=-1) >= num_slots:
-            raise ValueError(f"slice {i}: metadata uses slot {max(meta.seg_slots_list)} of {num_slots}")
-        if len(w.ranks_list) == num_slots and any(w.ranks_list[s] > max_rank for s in meta.seg_slots_list):
-            raise ValueError(f"slice {i}: a slot's rank exceeds the buffers' max rank {max_rank}")
+        if max(meta.seg_slots_list, default=-1) >= num_virtual:
+            raise ValueError(f"slice {i}: metadata uses virtual slot {max(meta.seg_slots_list)} of {num_virtual}")
+        if len(w.ranks_list) == num_virtual:
+            for s in meta.seg_slots_list:
+                phys, row = w.locate(s)
+                if row + w.ranks_list[s] > max_rank:
+                    raise ValueError(f"slice {i}: rank {w.ranks_list[s]} of virtual slot {s} runs past physical "
+                                     f"slot {phys} (starts at rank row {row} of {max_rank})")
 
 
 def _check_offsets(y: torch.Tensor, slices: Sequence[LoRAWeights], offsets: Sequence[int]) -> None:
@@ -282,7 +297,7 @@ def _launch_shrink(x, slices, meta, tiles: TileConfig) -> torch.Tensor:
     row_tiles = meta.row_tiles(tiles.block_m)
     grid = (row_tiles.shape[0], len(slices) * split_k)
     _sgmv_shrink_kernel[grid](
-        x, v, meta.row_order, row_tiles, table[0], table[2], table[4], h_in, x.stride(0), v.stride(0),
+        x, v, meta.row_order, row_tiles, table[0], table[2], table[7], h_in, x.stride(0), v.stride(0),
         v.stride(1), BLOCK_M=tiles.block_m, BLOCK_K=block_k, BLOCK_R=_block_r(slices, tiles),
         SPLIT_K=split_k, num_warps=tiles.num_warps, **_dot_args(x.dtype))
     return v
@@ -295,19 +310,21 @@ def _launch_expand(y, v, slices, meta, offsets, tiles: TileConfig) -> torch.Tens
     row_tiles = meta.row_tiles(tiles.block_m)
     grid = (row_tiles.shape[0], col_blocks.shape[0])
     _sgmv_expand_kernel[grid](
-        y, v, meta.row_order, row_tiles, col_blocks, table[1], table[2], table[3], table[4], table[5],
-        table[6], y.stride(0), v.stride(0), v.stride(1), BLOCK_M=tiles.block_m, BLOCK_N=block_n,
+        y, v, meta.row_order, row_tiles, col_blocks, table[1], table[2], table[3], table[4], table[7],
+        table[5], table[6], y.stride(0), v.stride(0), v.stride(1), BLOCK_M=tiles.block_m, BLOCK_N=block_n,
         BLOCK_R=_block_r(slices, tiles), num_warps=tiles.num_warps, **_dot_args(slices[0].B.dtype))
     return y
 
 
 def sgmv_shrink(x: torch.Tensor, slices: Sequence[LoRAWeights], meta: LoRAMeta,
                 tiles: TileConfig | None = None) -> torch.Tensor:
-    """Semantics: v[i, t, :r] = x[t] @ A_i[slot[t], :r].T for r = ranks_i[slot[t]], slot[t] >= 0.
+    """Semantics: v[i, t, :r] = x[t] @ A_i[s, :r].T for s = slot[t] >= 0 a virtual slot, r = ranks_i[s]
+    (A_i[s] is the adapter's rows, `LoRAWeights.a_rows`: flat rows s x page_i .. + r of A_i).
 
-    x: [T, H_in]; slices: n LoRAWeights with A [S, R_i, H_in]; meta: the step's segments; tiles:
+    x: [T, H_in]; slices: n LoRAWeights with A [S, R_i, H_in], ranks and scales [V_i]; meta: the step's segments; tiles:
     override of the TILE_TABLE choice (tests, tuning). Returns v: [n, T, max R_i] fp32, written only
-    at rows with an adapter and columns below their rank. ValueError on a mismatch.
+    at rows with an adapter and columns below their rank. ValueError on a mismatch (including a
+    virtual slot id >= V_i, or an adapter whose rank runs past its physical slot).
     """
     _check_rows("x", x, meta)
     _check_slices(slices, meta, x.device, x.dtype, x.shape[1])
@@ -316,7 +333,8 @@ def sgmv_shrink(x: torch.Tensor, slices: Sequence[LoRAWeights], meta: LoRAMeta,
 
 def sgmv_expand(y: torch.Tensor, v: torch.Tensor, slices: Sequence[LoRAWeights], meta: LoRAMeta,
                 offsets: Sequence[int], tiles: TileConfig | None = None) -> torch.Tensor:
-    """Semantics: y[t, off_i:off_i+H_out_i] += scales_i[s] * v[i, t, :r] @ B_i[s, :, :r].T, s = slot[t].
+    """Semantics: y[t, off_i:off_i+H_out_i] += scales_i[s] * v[i, t, :r] @ B_i[s, :, :r].T, s = slot[t]
+    a virtual slot (B_i[s] is the adapter's columns, `LoRAWeights.b_cols`).
 
     y: [T, H_total] updated in place (fp32, fp16 or bf16); v: [n, T, >= max R_i] fp32 from
     `sgmv_shrink`; slices: n LoRAWeights with B [S, H_out_i, R_i]; offsets: n column offsets into y.

@@ -1,6 +1,12 @@
 """Shared builders for the LoRA kernel tests: batches by adapter popularity and a dense fp32 truth.
 
 The truth is a plain per-row loop in fp32, independent of loraplex.kernels.reference.
+
+Slot layouts: by default (page 0) every one of the NUM_SLOTS physical slots holds one adapter, at the
+virtual slot of the same number. With a page (`make_slices(..., page=8)`) the NUM_SLOTS x MAX_RANK
+rank rows are cut into V = NUM_SLOTS x MAX_RANK / page virtual slots and `paged_layout` packs
+adapters of RANKS into them (each takes ceil(rank / page) pages inside one physical slot), leaving
+some pages to no adapter; the batch's slot ids are the virtual slots where an adapter starts.
 """
 
 from __future__ import annotations
@@ -31,9 +37,33 @@ class Case:
     meta: LoRAMeta
 
 
+def paged_layout(page: int) -> list[tuple[int, int]]:
+    """(virtual slot, capacity in rank rows) of each adapter of a paged layout, in slot order.
+
+    Adapters of nominal ranks RANKS, RANKS, ... are packed first-fit in order into the physical slots,
+    each on ceil(rank / page) pages of one physical slot: with page 8, physical slot 0 holds ranks 4, 8,
+    16 on pages 0, 1, 2-3 and leaves pages 4-7 to no adapter (the next rank, 64, takes all of slot 1).
+    Capacity is the adapter's pages x page; page 0 means MAX_RANK (one adapter per physical slot).
+    """
+    page = page or MAX_RANK
+    per_slot = MAX_RANK // page
+    layout, phys, used, k = [], 0, 0, 0
+    while phys < NUM_SLOTS:
+        pages = -(-RANKS[k % len(RANKS)] // page)
+        if used + pages > per_slot:
+            phys, used = phys + 1, 0
+            continue
+        layout.append((phys * per_slot + used, pages * page))
+        used += pages
+        k += 1
+    return layout
+
+
 def make_slot_ids(popularity: str, num_tokens: int, num_adapters: int, gen: torch.Generator,
-                  no_adapter_frac: float = 0.2) -> list[int]:
-    """Per-row slot ids (-1 = no adapter) for `num_adapters` adapters placed on scattered slots, unsorted."""
+                  no_adapter_frac: float = 0.2, slots: list[int] | None = None) -> list[int]:
+    """Per-row slot ids (-1 = no adapter) for `num_adapters` adapters placed on scattered slots, unsorted.
+
+    slots: the (virtual) slots adapters occupy, to draw from (default: range(NUM_SLOTS))."""
     n = num_adapters
     if popularity == "distinct":  # a different adapter per row while there are enough
         ids = torch.arange(num_tokens) % n
@@ -50,7 +80,10 @@ def make_slot_ids(popularity: str, num_tokens: int, num_adapters: int, gen: torc
         ids[:few] = torch.randint(1, max(n, 2), (few,), generator=gen)
     else:
         raise ValueError(popularity)
-    slot_of = torch.randperm(NUM_SLOTS, generator=gen)[:n]  # adapter k lives in slot slot_of[k]
+    if slots is None:
+        slot_of = torch.randperm(NUM_SLOTS, generator=gen)[:n]  # adapter k lives in slot slot_of[k]
+    else:
+        slot_of = torch.tensor(slots)[torch.randperm(len(slots), generator=gen)[:n]]
     ids = slot_of[ids]
     if num_tokens > 1:
         ids[torch.rand(num_tokens, generator=gen) < no_adapter_frac] = -1
@@ -58,16 +91,21 @@ def make_slot_ids(popularity: str, num_tokens: int, num_adapters: int, gen: torc
 
 
 def make_slices(h_in: int, h_outs: list[int], dtype: torch.dtype, gen: torch.Generator, padding: str,
-                rank_shift: int = 0) -> list[LoRAWeights]:
+                rank_shift: int = 0, page: int = 0) -> list[LoRAWeights]:
     """One LoRAWeights per output width; slot s of slice i has rank RANKS[(s + i + rank_shift) % 4].
 
-    padding: "zero" (as the engine writes) or "nan": every value beyond a slot's rank is NaN.
+    page: 0 (one adapter per physical slot, slot s = physical slot s) or the rank rows per virtual
+    slot: then the k-th adapter of `paged_layout(page)` sits at its virtual slot with rank
+    RANKS[(k + i + rank_shift) % 4] in slice i, capped at its capacity (so in a slice it may use fewer
+    rows than its pages hold). padding: "zero" (as the engine writes) or "nan": every rank row no
+    adapter owns (beyond an adapter's rank, and pages of no adapter) is NaN.
     """
     slices = []
     for i, h_out in enumerate(h_outs):
-        w = LoRAWeights.empty(NUM_SLOTS, MAX_RANK, h_in, h_out, dtype, DEVICE)
-        for s in range(NUM_SLOTS):
-            r = RANKS[(s + i + rank_shift) % len(RANKS)]
+        w = LoRAWeights.empty(NUM_SLOTS, MAX_RANK, h_in, h_out, dtype, DEVICE, page=page)
+        layout = [(s, MAX_RANK) for s in range(NUM_SLOTS)] if not page else paged_layout(page)
+        for k, (s, capacity) in enumerate(layout):
+            r = min(capacity, RANKS[(k + i + rank_shift) % len(RANKS)])
             a = torch.randn(r, h_in, generator=gen) / h_in**0.5
             b = torch.randn(h_out, r, generator=gen) / r**0.5
             w.set_slot(s, a.to(dtype), b.to(dtype), scale=0.5 + 1.5 * torch.rand(1, generator=gen).item())
@@ -77,18 +115,38 @@ def make_slices(h_in: int, h_outs: list[int], dtype: torch.dtype, gen: torch.Gen
     return slices
 
 
-def fill_padding(w: LoRAWeights, value: float) -> None:
+def owned_rows(w: LoRAWeights) -> torch.Tensor:
+    """[S, R] bool: the rank rows some adapter owns (its first `rank` rows from its virtual slot)."""
+    owned = torch.zeros(w.A.shape[:2], dtype=torch.bool)
     for s, r in enumerate(w.ranks_list):
-        w.A[s, r:] = value
-        w.B[s, :, r:] = value
+        phys, row = w.locate(s)
+        owned[phys, row:row + r] = True
+    return owned
+
+
+def fill_padding(w: LoRAWeights, value: float) -> None:
+    """Write `value` into every rank row of A and column of B that no adapter owns."""
+    free = ~owned_rows(w).to(w.A.device)
+    w.A[free] = value
+    w.B.transpose(1, 2)[free] = value
+
+
+def fill_rows(w: LoRAWeights, slot: int, rows: int, value: float) -> None:
+    """Write `value` into `rows` rank rows of A (and columns of B) from virtual slot `slot`."""
+    w.a_rows(slot, rows).fill_(value)
+    w.b_cols(slot, rows).fill_(value)
 
 
 def make_case(num_tokens: int, popularity: str, num_adapters: int, dtype: torch.dtype, h_in: int,
-              h_outs: list[int], padding: str = "nan", seed: int = 0) -> Case:
-    """A batch whose rows without an adapter hold NaN in x and NaN, inf and -0.0 in y (never touched)."""
+              h_outs: list[int], padding: str = "nan", seed: int = 0, page: int = 0) -> Case:
+    """A batch whose rows without an adapter hold NaN in x and NaN, inf and -0.0 in y (never touched).
+
+    page: 0 for one adapter per physical slot, else the paged layout of `make_slices`."""
     gen = torch.Generator().manual_seed(seed)
-    slot_ids = make_slot_ids(popularity, num_tokens, num_adapters, gen)
-    slices = make_slices(h_in, h_outs, dtype, gen, padding)
+    layout = paged_layout(page) if page else None
+    slot_ids = make_slot_ids(popularity, num_tokens, num_adapters, gen,
+                             slots=[s for s, _ in layout] if layout else None)
+    slices = make_slices(h_in, h_outs, dtype, gen, padding, page=page)
     x = torch.randn(num_tokens, h_in, generator=gen)
     y = torch.randn(num_tokens, sum(h_outs), generator=gen)
     for t, s in enumerate(slot_ids):
@@ -96,16 +154,18 @@ def make_case(num_tokens: int, popularity: str, num_adapters: int, dtype: torch.
             x[t] = float("nan")
             y[t, 0::3], y[t, 1::3], y[t, 2::3] = float("nan"), float("-inf"), -0.0
     if padding == "nan":  # slots outside the batch are never read at all
-        for s in set(range(NUM_SLOTS)) - set(slot_ids):
-            for w in slices:
-                w.A[s], w.B[s] = float("nan"), float("nan")
+        unused = [(s, MAX_RANK) for s in range(NUM_SLOTS)] if layout is None else layout
+        for s, capacity in unused:
+            if s not in slot_ids:
+                for w in slices:
+                    fill_rows(w, s, capacity, float("nan"))
     offsets = [sum(h_outs[:i]) for i in range(len(h_outs))]
     meta = build_lora_meta(slot_ids, DEVICE, slot_ranks=max_slot_ranks(slices))
     return Case(x.to(DEVICE, dtype), y.to(DEVICE, dtype), slices, offsets, slot_ids, meta)
 
 
 def max_slot_ranks(slices: list[LoRAWeights]) -> list[int]:
-    return [max(w.ranks_list[s] for w in slices) for s in range(NUM_SLOTS)]
+    return [max(w.ranks_list[s] for w in slices) for s in range(slices[0].num_virtual_slots)]
 
 
 def dense_reference(case: Case, y_before: torch.Tensor | None = None) -> torch.Tensor:
@@ -113,11 +173,13 @@ def dense_reference(case: Case, y_before: torch.Tensor | None = None) -> torch.T
     ref = (case.y if y_before is None else y_before).float().cpu().clone()
     x = case.x.float().cpu()
     for w, off in zip(case.slices, case.offsets, strict=True):
-        A, B = w.A.float().cpu(), w.B.float().cpu()
+        A = w.A.float().cpu().flatten(0, 1)  # [S x R, H_in]: virtual slot s starts at row s x page
+        B = w.B.float().cpu().transpose(1, 2).flatten(0, 1)  # [S x R, H_out], the same rows
         for t, s in enumerate(case.slot_ids):
             r = w.ranks_list[s] if s >= 0 else 0
             if r:
-                ref[t, off:off + B.shape[1]] += w.scales_list[s] * ((x[t] @ A[s, :r].T) @ B[s, :, :r].T)
+                rows = slice(s * w.page, s * w.page + r)
+                ref[t, off:off + B.shape[1]] += w.scales_list[s] * ((x[t] @ A[rows].T) @ B[rows])
     return ref
 
 

@@ -1,15 +1,22 @@
-"""PyTorch reference paths (segmented, packed), segment metadata and dispatch, against the dense truth."""
+"""PyTorch reference and CPU paths (segmented, packed, bgmv), segment metadata and dispatch, against the dense truth."""
 
 import pytest
 import torch
 from lora_cases import DEVICE, POPULARITIES, assert_matches, make_case
 
 from loraplex.kernels import lora_ops, reference
+from loraplex.kernels.lora_ops import LoRAWeights
 from loraplex.kernels.metadata import build_lora_meta
-from loraplex.kernels.reference import add_lora_gathered, add_lora_packed, add_lora_segmented
+from loraplex.kernels.reference import (
+    add_lora_bgmv,
+    add_lora_dense_segments,
+    add_lora_packed,
+    add_lora_segmented,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-PATHS = {"segmented": add_lora_segmented, "packed": add_lora_packed, "gathered": add_lora_gathered}
+PATHS = {"segmented": add_lora_segmented, "packed": add_lora_packed, "bgmv": add_lora_bgmv,
+         "dense_segments": add_lora_dense_segments}
 
 
 def _run(path, case):
@@ -50,7 +57,7 @@ def test_packed_fused_slices_one_or_many_expands(monkeypatch, block_diagonal_max
 
 def test_dispatch_auto_and_forced(monkeypatch):
     case = make_case(12, "uniform", 3, torch.float32, 72, [61, 45], padding="zero", seed=8)
-    for backend in ("auto", "segmented", "packed", "gathered"):
+    for backend in ("auto", "segmented", "packed", "bgmv"):
         monkeypatch.setattr(lora_ops, "_backend", backend)
         y = case.y.clone()
         lora_ops.add_lora(y, case.x, case.slices, case.meta)  # default offsets: consecutive
@@ -59,18 +66,44 @@ def test_dispatch_auto_and_forced(monkeypatch):
         lora_ops.set_backend("cublas")
 
 
-@pytest.mark.parametrize("dtype, num_tokens, rank, expected", [
-    (torch.bfloat16, 64, 8, "packed"),  # N = 512
-    (torch.bfloat16, 256, 32, "packed"),  # T x N = 512K
-    (torch.float32, 64, 8, "packed"),
-    (torch.float32, 64, 32, "gathered"),  # N = 2048, a row per segment
-    (torch.float32, 256, 32, "segmented"),  # N = 2048, four rows per segment
+@pytest.mark.parametrize("dtype, num_tokens, num_adapters, mirrors, expected", [
+    (torch.bfloat16, 64, 8, True, "packed"),  # N = 64
+    (torch.bfloat16, 64, 64, True, "bgmv"),  # N = 512: each row reads only its own adapter
+    (torch.float32, 2048, 12, True, "bgmv"),  # N = 96 but T x N = 192K
+    (torch.float32, 16, 12, True, "packed"),
+    (torch.bfloat16, 64, 64, False, "segmented"),  # slot buffers without the CPU mirrors
 ])
-def test_auto_picks_the_cpu_path_measured_fastest(monkeypatch, dtype, num_tokens, rank, expected):
+def test_auto_picks_the_cpu_path_measured_fastest(monkeypatch, dtype, num_tokens, num_adapters, mirrors, expected):
     monkeypatch.setattr(lora_ops, "_backend", "auto")
-    meta = build_lora_meta([t % 64 for t in range(num_tokens)], DEVICE, slot_ranks=[rank] * 64)
+    meta = build_lora_meta([t % num_adapters for t in range(num_tokens)], DEVICE, slot_ranks=[8] * 64)
+    w = LoRAWeights.empty(64, 8, 8, 8, dtype, DEVICE)
+    if not mirrors:
+        w.AT = w.BT = None
     x = torch.zeros(num_tokens, 8, dtype=dtype)
-    assert lora_ops._pick_backend(x, meta) == expected
+    assert lora_ops._pick_backend(x, meta, [w]) == expected
+
+
+def test_bgmv_sends_long_segments_through_dense_matmuls(monkeypatch):
+    """A long prefill chunk among many short segments: the chunk's rows take a dense matmul pair, the
+    others go through bgmv, and the sum matches the dense truth."""
+    slot_ids = [0] * 40 + list(range(1, 17)) * 2  # one 40-row segment, 16 two-row segments
+    case = make_case(len(slot_ids), "uniform", 16, torch.float32, 64, [48, 16], "zero", seed=12)
+    case.slot_ids[:] = slot_ids
+    case.x.copy_(torch.randn(case.x.shape))  # make_case put NaN in the rows it left without an adapter
+    case.y.copy_(torch.randn(case.y.shape))
+    case.meta = build_lora_meta(slot_ids, DEVICE, slot_ranks=case.meta.slot_ranks)
+    calls = []
+    for name in ("add_lora_dense_segments", "add_lora_bgmv"):
+        real = getattr(lora_ops, name)
+        monkeypatch.setattr(lora_ops, name, lambda *a, real=real, name=name: calls.append(
+            (name, a[3].row_order.numel())) or real(*a))
+    monkeypatch.setattr(lora_ops, "_backend", "auto")
+    monkeypatch.setattr(lora_ops, "PACKED_LIMITS", {torch.float32: (16, 1 << 20)})
+    monkeypatch.setattr(lora_ops, "LONG_SEGMENT_ROWS", 32)
+    y = case.y.clone()
+    lora_ops.add_lora(y, case.x, case.slices, case.meta, case.offsets)
+    assert calls == [("add_lora_dense_segments", 40), ("add_lora_bgmv", 32)]
+    assert_matches(y, case, case.y)
 
 
 def test_projection_no_active_adapter_targets_is_skipped(monkeypatch):
@@ -79,11 +112,11 @@ def test_projection_no_active_adapter_targets_is_skipped(monkeypatch):
     active = set(case.meta.seg_slots_list)
     for s in active:
         case.slices[0].set_slot(s, None, None, 0.0)
-    for backend in ("auto", "segmented", "packed", "gathered", "triton"):
+    for backend in ("auto", "segmented", "packed", "bgmv", "triton"):
         monkeypatch.setattr(lora_ops, "_backend", backend)
         monkeypatch.setattr(lora_ops, "add_lora_segmented", None)  # any call would raise
         monkeypatch.setattr(lora_ops, "add_lora_packed", None)
-        monkeypatch.setattr(lora_ops, "add_lora_gathered", None)
+        monkeypatch.setattr(lora_ops, "add_lora_bgmv", None)
         y = case.y.clone()
         assert torch.equal(lora_ops.add_lora(y, case.x, case.slices, case.meta), case.y)
 
@@ -111,3 +144,15 @@ def test_row_tiles_cover_each_adapter_row_once(block_m):
         assert all(slot_ids[t] == slot for t in rows)
         covered += rows
     assert sorted(covered) == [t for t, s in enumerate(slot_ids) if s >= 0]
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page", [8, 16])
+@pytest.mark.parametrize("popularity", ["distinct", "zipf", "identical"])
+def test_paged_slots_match_dense(path, dtype, page, popularity):
+    """Adapters of ranks 4-64 packed by rank into pages of shared physical slots (S-LoRA's unified
+    paging): every CPU path reads each row's adapter at its virtual slot and nothing of its neighbours."""
+    case = make_case(33, popularity, 8, dtype, 96, [80, 24], "nan" if path == "segmented" else "zero",
+                     seed=page, page=page)
+    _run(path, case)

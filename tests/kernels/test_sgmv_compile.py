@@ -22,7 +22,8 @@ from loraplex.kernels import triton_sgmv as k
 
 assert not k.INTERPRETED
 INT32_TABLES = ("tiles_ptr", "col_blocks_ptr")
-INT64_TABLES = ("row_order_ptr", "a_ptrs", "b_ptrs", "rank_ptrs", "scale_ptrs", "r_maxs", "h_outs", "y_offs")
+INT64_TABLES = ("row_order_ptr", "a_ptrs", "b_ptrs", "rank_ptrs", "scale_ptrs", "r_maxs", "pages", "h_outs",
+                "y_offs")
 
 
 def compile_one(kernel, dtype, constants, num_warps):

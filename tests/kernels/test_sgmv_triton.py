@@ -2,12 +2,22 @@
 
 Every case pads each slot's weights beyond its rank with NaN, fills unused slots with NaN, and gives
 rows without an adapter NaN in x and NaN / -inf / -0.0 in y: any masked load or write that slips
-shows up as a NaN or a changed bit.
+shows up as a NaN or a changed bit. Paged cases (virtual slots of 8 or 16 rank rows, several adapters
+per physical slot) also hold NaN in pages no adapter owns and in every adapter's pages beyond its rank.
 """
 
 import pytest
 import torch
-from lora_cases import DEVICE, NUM_SLOTS, assert_matches, dense_reference, fill_padding, make_case
+from lora_cases import (
+    DEVICE,
+    MAX_RANK,
+    NUM_SLOTS,
+    assert_matches,
+    dense_reference,
+    fill_padding,
+    make_case,
+    paged_layout,
+)
 
 from loraplex.kernels import lora_ops
 from loraplex.kernels.metadata import build_lora_meta
@@ -60,6 +70,88 @@ def test_matches_dense(num_tokens, popularity, num_adapters, dtype, h_in, h_out)
     _run(make_case(num_tokens, popularity, num_adapters, dtype, h_in, [h_out], seed=num_tokens))
 
 
+# (page, T, popularity, adapters, dtype, H_in, H_outs): paged slot buffers, mixed ranks 4 / 8 / 16 / 64
+# packed several to a physical slot (see lora_cases.paged_layout); two slices give an adapter
+# different ranks in each.
+PAGED_GRID = [
+    (8, 1, "distinct", 1, F32, 72, [61]),
+    (8, 16, "distinct", 16, BF16, 72, [61]),
+    (8, 64, "zipf", 12, F32, 100, [61, 33]),
+    (8, 300, "skewed", 6, BF16, 72, [45]),
+    (8, 40, "identical", 1, F16, 72, [61]),
+    (16, 7, "uniform", 7, F32, 100, [61]),
+    (16, 64, "uniform", 16, BF16, 72, [61, 33]),
+    (16, 300, "zipf", 16, F32, 72, [45]),
+]
+
+
+@pytest.mark.parametrize("page, num_tokens, popularity, num_adapters, dtype, h_in, h_outs", PAGED_GRID)
+def test_paged_matches_dense(page, num_tokens, popularity, num_adapters, dtype, h_in, h_outs):
+    case = make_case(num_tokens, popularity, num_adapters, dtype, h_in, h_outs, seed=num_tokens, page=page)
+    assert case.slices[0].num_virtual_slots == NUM_SLOTS * MAX_RANK // page
+    assert {s for s in case.slot_ids if s >= 0} <= {s for s, _ in paged_layout(page)}
+    _run(case)
+
+
+@pytest.mark.parametrize("tiles", ODD_TILES, ids=lambda t: f"m{t.block_m}k{t.block_k}s{t.split_k}n{t.block_n}")
+def test_paged_odd_tiles(tiles):
+    _run(make_case(24, "uniform", 10, BF16, 100, [61], seed=12, page=8), tiles)
+
+
+def test_paged_layout_packs_pages_and_leaves_some_free():
+    for page in (8, 16):
+        layout = paged_layout(page)
+        rows = [(s * page, s * page + cap) for s, cap in layout]  # flat rank rows of each adapter
+        assert all(end <= start2 for (_, end), (start2, _) in zip(rows[:-1], rows[1:], strict=True))  # no overlap
+        assert all(start // MAX_RANK == (end - 1) // MAX_RANK for start, end in rows)  # one physical slot each
+        assert len(layout) > NUM_SLOTS and sum(cap for _, cap in layout) < NUM_SLOTS * MAX_RANK
+
+
+@pytest.mark.parametrize("tiles", [TILE_TABLE[0][1], TILE_TABLE[1][1]], ids=["m1", "m16"])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_adjacent_adapters_in_one_physical_slot(tiles, dtype):
+    """Virtual slots 0 and 1 (rank 8 each) share physical slot 0; slot 2 (rank 4, its page's other 4
+    rows NaN) and slot 3 (rank 8) share physical slot 1. Each row must get exactly its own adapter,
+    with its own scale, computed here from the adapters' own weights rather than the buffers."""
+    gen = torch.Generator().manual_seed(13)
+    h_in, h_out = 72, 61
+    w = lora_ops.LoRAWeights.empty(2, 16, h_in, h_out, dtype, DEVICE, page=8)
+    adapters = {0: (8, 0.5), 1: (8, 3.0), 2: (4, 1.5), 3: (8, -2.0)}  # virtual slot -> (rank, scale)
+    weights = {}
+    for s, (r, scale) in adapters.items():
+        a = (torch.randn(r, h_in, generator=gen) / h_in**0.5).to(dtype)
+        b = (torch.randn(h_out, r, generator=gen) / r**0.5).to(dtype)
+        w.set_slot(s, a, b, scale)
+        weights[s] = (a.float(), b.float(), scale)
+    fill_padding(w, float("nan"))
+    assert torch.isnan(w.A[1, 4:8]).all() and not torch.isnan(w.A[0]).any()
+    slot_ids = [0, 1, 1, -1, 0, 2, 3, 1, 0, 3, 2, 2, -1, 0, 1, 3, 3, 0, 1, 2]
+    x = torch.randn(len(slot_ids), h_in, generator=gen).to(dtype)
+    y = torch.randn(len(slot_ids), h_out, generator=gen).to(dtype)
+    y_before = y.clone()
+    meta = build_lora_meta(slot_ids, DEVICE)
+    out = add_lora_triton(y.to(DEVICE), x.to(DEVICE), [w], meta, [0], tiles).cpu()
+    atol, rtol = {F32: (1e-4, 1e-4), BF16: (3e-2, 3e-2)}[dtype]
+    for t, s in enumerate(slot_ids):
+        if s < 0:
+            assert torch.equal(out[t].view(torch.int16), y_before[t].view(torch.int16))
+            continue
+        a, b, scale = weights[s]
+        want = y_before[t].float() + scale * (b @ (a @ x[t].float()))
+        torch.testing.assert_close(out[t].float(), want, atol=atol, rtol=rtol)
+
+
+def test_paged_shrink_reads_each_adapters_rows():
+    case = make_case(30, "uniform", 9, F32, 100, [61, 33], seed=14, page=8)
+    v = sgmv_shrink(case.x, case.slices, case.meta)  # [2, T, R]
+    for i, w in enumerate(case.slices):
+        for t, s in enumerate(case.slot_ids):
+            if s >= 0:
+                r = w.ranks_list[s]
+                want = case.x[t].float().cpu() @ w.a_rows(s, r).float().cpu().T
+                torch.testing.assert_close(v[i, t, :r].cpu(), want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("tiles", [cfg for _, cfg in TILE_TABLE] + ODD_TILES,
                          ids=lambda t: f"m{t.block_m}k{t.block_k}s{t.split_k}n{t.block_n}r{t.block_r}")
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
@@ -101,7 +193,7 @@ def test_shrink_writes_each_rank():
         for t, s in enumerate(case.slot_ids):
             if s >= 0:
                 r = w.ranks_list[s]
-                want = case.x[t].float().cpu() @ w.A[s, :r].float().cpu().T
+                want = case.x[t].float().cpu() @ w.a_rows(s, r).float().cpu().T
                 torch.testing.assert_close(v[i, t, :r].cpu(), want, atol=1e-5, rtol=1e-5)
 
 
@@ -167,6 +259,35 @@ def test_launcher_rejects(what):
         _bad(case, what)()
 
 
+def _bad_paged(what):
+    """A valid paged call (page 8, rank 8 at virtual slots 0 and 1), broken in one way."""
+    w = lora_ops.LoRAWeights.empty(2, 16, 72, 61, F32, DEVICE, page=8)
+    for s in (0, 1):
+        w.set_slot(s, torch.randn(8, 72), torch.randn(61, 8), 1.0)
+    slot_ids = [0, 1, -1]
+    if what == "virtual slot":
+        slot_ids = [0, 4, -1]  # V = 4
+    elif what == "rank past its physical slot":
+        w.ranks_list[1], w.ranks[1] = 16, 16  # rows 8..23 of a 16-row slot
+    elif what == "ranks per physical slot":
+        w = lora_ops.LoRAWeights(w.A, w.B, w.ranks[:2].clone(), w.scales[:2].clone(), w.ranks_list[:2],
+                                 w.scales_list[:2], page=8)
+    elif what == "page":
+        w.page = 5
+    x, y = torch.randn(3, 72, device=DEVICE), torch.randn(3, 61, device=DEVICE)
+    return lambda: add_lora_triton(y, x, [w], build_lora_meta(slot_ids, DEVICE), [0])
+
+
+def test_paged_valid_call_runs():
+    _bad_paged("nothing")()
+
+
+@pytest.mark.parametrize("what", ["virtual slot", "rank past its physical slot", "ranks per physical slot", "page"])
+def test_launcher_rejects_paged(what):
+    with pytest.raises(ValueError):
+        _bad_paged(what)()
+
+
 def test_expand_rejects_bad_v():
     case = make_case(6, "distinct", 6, F32, 72, [61], padding="zero")
     v = sgmv_shrink(case.x, case.slices, case.meta)
@@ -191,3 +312,14 @@ def test_reference_truth_is_plain():
     r = w.ranks_list[s]
     want = case.y[0].cpu() + w.scales_list[s] * (w.B[s, :, :r] @ (w.A[s, :r] @ case.x[0])).cpu()
     torch.testing.assert_close(dense_reference(case)[0], want)
+
+
+def test_reference_truth_reads_paged_rows():
+    """The truth of a paged case, by hand: the adapter's rows via LoRAWeights.a_rows / b_cols."""
+    case = make_case(4, "distinct", 4, F32, 72, [61], padding="zero", page=8)
+    ref, w = dense_reference(case), case.slices[0]
+    for t, s in enumerate(case.slot_ids):
+        if s >= 0:
+            r = w.ranks_list[s]
+            want = case.y[t].cpu() + w.scales_list[s] * (w.b_cols(s, r) @ (w.a_rows(s, r) @ case.x[t])).cpu()
+            torch.testing.assert_close(ref[t], want)
