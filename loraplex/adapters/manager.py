@@ -1,20 +1,31 @@
 """Adapter paging between three tiers: disk, host memory (CPU) and the engine's adapter slots.
 
-Letters: S adapter slots (`max_loras`), R max rank (`max_lora_rank`), L layers.
+Letters: S adapter slots (`max_loras`), R max rank (`max_lora_rank`), L layers, P pages per slot,
+V = S x P pages (virtual slots).
 
 - disk: every registered adapter (validated once at registration, tensors dropped);
 - CPU: an LRU cache of loaded adapters, at most `max_cpu_loras` (pinned host memory on CUDA);
 - slots: the stacked per-layer buffers the LoRA op reads (`LoRAWeights`, A [S, R, H_in],
   B [S, H_out, R]); on the CPU path these are the "GPU" tier.
 
+The slot tier is paged by rank (S-LoRA's unified paging, arXiv:2311.03285): its S x R rank rows are
+cut into pages of `page` rows (`LORA_PAGE_ROWS`, or R when that does not divide R). An adapter of
+rank r takes a run of ceil(r / page) pages rounded up to a power of two, aligned to its length inside
+one physical slot (a buddy allocator's blocks: any run can be freed by evicting the adapters inside it
+or the one around it, so fragmentation stays bounded); its first page is its virtual slot, the id the
+kernels take. S slots of max rank 64 hold 8 S rank-8 adapters at once, not S. A free run is taken
+first (buddy best fit), else one whose owners are all unpinned, least recently used first; evicted
+adapters' rows are zeroed, so rows no adapter owns stay zero.
+
 Disk -> CPU loads run on a background thread; the scheduler never waits for one (`can_acquire` says
 no and starts the load, S-LoRA / vLLM style). CPU -> slot copies are a plain copy on CPU and run on a
-side CUDA stream on GPU. A request pins its adapter's slot (reference count) from admission to finish
-or preemption; pinned adapters are never evicted from any tier.
+side CUDA stream on GPU. A request pins its adapter (reference count) from admission to finish or
+preemption; pinned adapters are never evicted from any tier.
 
-No starvation (after LoRAX's adapter exchange): when the oldest waiting request's adapter cannot get a
-slot because every slot is pinned, the adapter that has held its slot longest is put to *draining*: it
-admits no new requests, and once its running requests finish its slot goes to the waiting adapter.
+No starvation (after LoRAX's adapter exchange): when the oldest waiting request's adapter cannot get
+pages because every run it could take holds a pinned adapter, the run whose owners got their pages
+earliest is reserved for it: no other adapter takes pages there, and its owners are put to *draining*:
+they admit no new requests, and once their running requests finish the run goes to the waiting adapter.
 Same verbs as the KV block manager, saying no with None / False: `can_acquire`, `acquire`, `release`.
 """
 
@@ -25,13 +36,13 @@ import logging
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from loraplex.adapters.peft import AdapterError, LoRAAdapter, load_peft_adapter, validate_peft_adapter
-from loraplex.engine.config import LORA_TARGET_MODULES, EngineConfig, ModelConfig
+from loraplex.engine.config import LORA_PAGE_ROWS, LORA_TARGET_MODULES, EngineConfig, ModelConfig
 from loraplex.kernels import LoRAWeights
 
 logger = logging.getLogger(__name__)
@@ -49,19 +60,27 @@ def _percentile(values, q: float) -> float | None:
 
 
 class AdapterManager:
-    """Registered adapters and their residency in the CPU cache and the S slots."""
+    """Registered adapters and their residency in the CPU cache and the slot tier's V pages.
+
+    `slot_of[name]` is a resident adapter's virtual slot, `slot_ranks` (length V) the rank at each
+    virtual slot (0 elsewhere), `owner` (length V) the adapter holding each page.
+    """
 
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, dtype: torch.dtype,
                  device: torch.device | str):
         self.model_cfg = model_cfg
         self.max_lora_rank = engine_cfg.max_lora_rank
         self.num_slots = engine_cfg.max_loras
+        self.page = LORA_PAGE_ROWS if self.max_lora_rank % LORA_PAGE_ROWS == 0 else self.max_lora_rank
+        self.pages_per_slot = self.max_lora_rank // self.page  # P
+        self.num_pages = self.num_slots * self.pages_per_slot  # V, also the number of virtual slots
         self.max_cpu_loras = engine_cfg.max_cpu_loras
         self.dtype = dtype
         self.device = torch.device(device)
         # buffers[layer][module]: allocated for every targetable projection of every layer.
         self.buffers: list[dict[str, LoRAWeights]] = [
-            {m: LoRAWeights.empty(self.num_slots, self.max_lora_rank, *model_cfg.lora_module_shape(m), dtype, device)
+            {m: LoRAWeights.empty(self.num_slots, self.max_lora_rank, *model_cfg.lora_module_shape(m), dtype,
+                                  device, page=self.page)
              for m in LORA_TARGET_MODULES}
             for _ in range(model_cfg.num_hidden_layers)
         ]
@@ -69,12 +88,14 @@ class AdapterManager:
         self.cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
         self.loading: dict[str, tuple[Future, int]] = {}  # disk -> CPU in flight, with registration epoch
         self.failed: dict[str, str] = {}  # adapters whose load failed, with the reason
-        self.slot_of: OrderedDict[str, int] = OrderedDict()  # least recently used first
-        self.slot_since: dict[str, int] = {}  # when each resident adapter got its slot (tick)
+        self.slot_of: OrderedDict[str, int] = OrderedDict()  # virtual slot (first page); LRU first
+        self.slot_since: dict[str, int] = {}  # when each resident adapter got its pages (tick)
+        self.owner: list[str | None] = [None] * self.num_pages  # adapter holding each page
+        self.slot_ranks = [0] * self.num_pages  # rank of the adapter at each virtual slot (runner, kernels)
         self.refcount: dict[str, int] = {}
-        self.draining: set[str] = set()
-        self.free_slots = list(range(self.num_slots))
-        self.slot_ranks = [0] * self.num_slots
+        self.draining: set[str] = set()  # owners of the reserved run
+        self.reserved: tuple[str, int, int] | None = None  # (waiting adapter, first page, end page)
+        self._run_cache: dict[tuple[int, bool], int | None] = {}  # _find_run's answers until state changes
         self._epoch: dict[str, int] = {}
         self._epochs = itertools.count()
         self._ticks = itertools.count()
@@ -103,7 +124,8 @@ class AdapterManager:
         if self.refcount.get(name, 0):
             raise AdapterInUseError(f"adapter {name!r} is used by {self.refcount[name]} running request(s)")
         if name in self.slot_of:
-            self._evict_slot(name)
+            with self._on_copy_stream():
+                self._evict(name)
         self.cpu.pop(name, None)
         future = self.loading.pop(name, None)
         if future is not None:
@@ -161,41 +183,107 @@ class AdapterManager:
                 m.A, m.B = m.A.pin_memory(), m.B.pin_memory()
         return adapter, time.perf_counter() - start
 
-    # slots --------------------------------------------------------------------------------------------
-    def _evictable(self) -> str | None:
-        """The slot holder to evict next: a draining adapter first, else the LRU one; only unpinned."""
-        unpinned = [n for n in self.slot_of if not self.refcount.get(n)]
-        return next((n for n in unpinned if n in self.draining), unpinned[0] if unpinned else None)
+    # slots: pages of rank rows ----------------------------------------------------------------------
+    def _pages_for(self, rank: int) -> int:
+        """Pages of the run an adapter of `rank` takes: ceil(rank / page) rounded up to a power of two,
+        at most a physical slot's P pages."""
+        n = max(1, -(-rank // self.page))
+        return min(1 << (n - 1).bit_length(), self.pages_per_slot)
+
+    def _runs(self, n: int) -> list[int]:
+        """First pages of every run of `n` pages: aligned to n inside each physical slot."""
+        p = self.pages_per_slot
+        return [s + k for s in range(0, self.num_pages, p) for k in range(0, p - n + 1, n)]
+
+    def _owners(self, start: int, n: int) -> list[str]:
+        """Adapters owning pages start .. start + n - 1, each once, in page order."""
+        return [o for o in dict.fromkeys(self.owner[start:start + n]) if o is not None]
+
+    def _find_run(self, name: str) -> int | None:
+        """First page of the run `name` (in host memory) would take now, or None if there is none.
+
+        A free run first, the one whose largest free aligned block around it is smallest (a buddy
+        allocator's best fit, which keeps large blocks whole for large ranks); otherwise a run whose
+        owners are all unpinned, to evict: draining owners first, then the run whose most recently used
+        owner is least recent, then the fewest owners. Pages reserved for another adapter are never taken.
+        """
+        n = self._pages_for(self.cpu[name].rank)
+        holder = self.reserved is not None and self.reserved[0] == name
+        if (n, holder) not in self._run_cache:
+            self._run_cache[n, holder] = self._choose_run(n, holder)
+        return self._run_cache[n, holder]
+
+    def _choose_run(self, n: int, holder: bool) -> int | None:
+        kept = set() if holder or self.reserved is None else set(range(*self.reserved[1:]))
+        usable = [s for s in self._runs(n) if kept.isdisjoint(range(s, s + n))]
+        free = [s for s in usable if not self._owners(s, n)]
+        if free:
+            return min(free, key=lambda s: (self._free_block(s, n, kept), s))
+        lru = {a: i for i, a in enumerate(self.slot_of)}
+        candidates = []
+        for s in usable:
+            owners = self._owners(s, n)
+            if not any(self.refcount.get(o) for o in owners):
+                recent = max(lru[o] for o in owners)
+                candidates.append((not self.draining.issuperset(owners), recent, len(owners), s))
+        return min(candidates)[-1] if candidates else None
+
+    def _free_block(self, start: int, n: int, kept: set[int]) -> int:
+        """Pages of the largest free aligned block (n, 2n, 4n, ... pages) inside one physical slot that
+        holds the free run start .. start + n - 1."""
+        base, p = start - start % self.pages_per_slot, self.pages_per_slot
+        while 2 * n <= p:
+            block = base + (start - base) // (2 * n) * (2 * n)
+            pages = range(block, block + 2 * n)
+            if pages.stop > base + p or self._owners(block, 2 * n) or not kept.isdisjoint(pages):
+                break
+            n *= 2
+        return n
+
+    def _reserve(self, name: str | None = None, start: int = 0, n: int = 0) -> None:
+        """Keep pages start .. start + n - 1 for `name` and drain their owners; no arguments: end it."""
+        self.reserved = None if name is None else (name, start, start + n)
+        self.draining = set(self._owners(start, n))
+        self._run_cache.clear()
 
     def can_acquire(self, name: str) -> bool:
         """True if a request for `name` can be admitted now; otherwise starts what makes it possible.
 
-        Resident and not draining: yes. In host memory with a free or evictable slot: yes. Not in host
-        memory: no, the request is skipped for this step (the scheduler's `prefetch` pass loads it).
+        Resident and not draining: yes. In host memory with a free or evictable run of pages (see
+        `_find_run`): yes. Not in host memory: no, the request is skipped for this step (the scheduler's
+        `prefetch` pass loads it).
         """
         if name in self.slot_of:
             return name not in self.draining
         if name not in self.cpu:
             return False  # the scheduler's prefetch pass loads it, oldest waiting request first
-        return bool(self.free_slots) or self._evictable() is not None
+        return self._find_run(name) is not None
 
     def make_room_for(self, name: str | None) -> None:
-        """`name` is the adapter of the oldest request that waits for a slot (None: no such request).
+        """`name` is the adapter of the oldest request that waits for pages (None: no such request).
 
-        If every slot is pinned, drain the adapter resident longest; with nobody waiting, stop draining.
+        If pinned adapters hold pages of every run `name` could take, reserve for it the run whose owners
+        got their pages earliest (`slot_since`) and drain those owners; the reservation moves when another
+        adapter becomes the oldest waiting one and ends when `name` acquires or nobody waits. Nothing is
+        drained while `name` is still on its way into host memory.
         """
-        if name is None:
-            self.draining.clear()
+        if name is None or (self.reserved is not None and self.reserved[0] != name):
+            self._reserve(None)
+        if name is None or self.reserved is not None or name in self.slot_of or name not in self.cpu:
             return
-        if name in self.slot_of or self.free_slots or self._evictable() is not None or self.draining:
+        if self._find_run(name) is not None:
             return
-        if name not in self.cpu:
-            return  # drain only once the waiting adapter could use the slot
-        victim = min(self.slot_of, key=self.slot_since.__getitem__)
-        self.draining.add(victim)
+        n = self._pages_for(self.cpu[name].rank)
+
+        def age(s: int):
+            owners = self._owners(s, n)
+            return max((self.slot_since[o] for o in owners), default=-1), len(owners), s
+
+        self._reserve(name, min(self._runs(n), key=age), n)
 
     def acquire(self, name: str) -> int | None:
-        """Pin `name` in a slot, copying it in from host memory if needed; None if it cannot be now."""
+        """Pin `name` and return its virtual slot, copying it in from host memory if needed; None if it
+        cannot be admitted now (see `can_acquire`)."""
         if name in self.slot_of:
             if name in self.draining:
                 return None
@@ -207,15 +295,11 @@ class AdapterManager:
             self.stats["gpu"]["misses"] += 1
             self.stats["cpu"]["hits"] += 1
             self.cpu.move_to_end(name)
-            if not self.free_slots:
-                self._evict_slot(self._evictable())
-            slot = self.free_slots.pop(0)
-            try:
-                self._copy_in(name, slot)
-            except Exception:
-                self.free_slots.append(slot)
-                raise
+            self._place(name)
+            if self.reserved is not None and self.reserved[0] == name:
+                self._reserve(None)
         self.refcount[name] = self.refcount.get(name, 0) + 1
+        self._run_cache.clear()
         return self.slot_of[name]
 
     def release(self, name: str) -> None:
@@ -223,44 +307,92 @@ class AdapterManager:
         self.refcount[name] -= 1
         if not self.refcount[name]:
             del self.refcount[name]
+            self._run_cache.clear()
+
+    def _place(self, name: str) -> int:
+        """Give `name` (in host memory, not resident) the run `_find_run` picks, evicting the run's
+        owners, and copy it in; returns its virtual slot.
+
+        Raises RuntimeError when no run is free or evictable, KeyError when `name` is not in host memory.
+        """
+        start = self._find_run(name)
+        if start is None:
+            raise RuntimeError(f"no free or evictable pages for adapter {name!r}")
+        with self._on_copy_stream():
+            for owner in self._owners(start, self._pages_for(self.cpu[name].rank)):
+                self._evict(owner)
+            self._copy_in(name, start)
+        return start
+
+    @contextmanager
+    def _on_copy_stream(self):
+        """Slot writes inside run on the side copy stream on CUDA, after the work queued so far on the
+        current stream and before the work queued there next."""
+        if self._copy_stream is None:
+            yield
+            return
+        main = torch.cuda.current_stream(self.device)
+        self._copy_stream.wait_stream(main)
+        try:
+            with torch.cuda.stream(self._copy_stream):
+                yield
+        finally:
+            main.wait_stream(self._copy_stream)
+
+    def _write(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Write `adapter` at virtual slot `slot` of every layer's buffers (None: zero its rows)."""
+        for layer, modules in enumerate(self.buffers):
+            for module, weights in modules.items():
+                m = None if adapter is None else adapter.modules.get((layer, module))
+                weights.set_slot(slot, None if m is None else m.A, None if m is None else m.B,
+                                 0.0 if m is None else m.scaling)
 
     def _copy_in(self, name: str, slot: int) -> None:
         start = time.perf_counter()
         adapter = self.cpu[name]
-        stream = torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else nullcontext()
-        with stream:
-            for layer, modules in enumerate(self.buffers):
-                for module, weights in modules.items():
-                    m = adapter.modules.get((layer, module))
-                    weights.set_slot(slot, None if m is None else m.A, None if m is None else m.B,
-                                     0.0 if m is None else m.scaling)
-        if self._copy_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+        try:
+            self._write(slot, adapter)
+        except Exception:
+            self._write(slot, None)
+            raise
+        n = self._pages_for(adapter.rank)
+        self.owner[slot:slot + n] = [name] * n
         self.slot_of[name] = slot
         self.slot_since[name] = next(self._ticks)
         self.slot_ranks[slot] = adapter.rank
+        self._run_cache.clear()
         self.stats["gpu"]["load_s"].append(time.perf_counter() - start)
 
-    def _evict_slot(self, name: str) -> None:
+    def _evict(self, name: str) -> None:
+        """Free `name`'s pages and zero its rows in every buffer: rows no adapter owns stay zero."""
         assert not self.refcount.get(name), f"evicting pinned adapter {name!r}"
         slot = self.slot_of.pop(name)
+        self._write(slot, None)
+        n = self._pages_for(self.slot_ranks[slot])
+        self.owner[slot:slot + n] = [None] * n
+        self.slot_ranks[slot] = 0
         del self.slot_since[name]
         self.draining.discard(name)
-        self.slot_ranks[slot] = 0
-        self.free_slots.append(slot)
+        self._run_cache.clear()
         self.stats["gpu"]["evictions"] += 1
 
     # stats --------------------------------------------------------------------------------------------
     def adapter_stats(self) -> dict:
         """Capacity, occupancy, hits, misses, evictions and load latency (seconds, p50/p99) per tier,
-        and each registered adapter's tier ("gpu", "cpu", "loading", "failed" or "disk")."""
+        and each registered adapter's tier ("gpu", "cpu", "loading", "failed" or "disk").
+
+        Units: "cpu" and "disk" count adapters; "gpu" counts rank rows (capacity max_loras x
+        max_lora_rank, used: rows of owned pages) and adds "adapters" (resident adapters) and
+        "page_rows" (rank rows per page)."""
         tiers = {}
-        for tier, capacity, used in (("gpu", self.num_slots, len(self.slot_of)),
+        rows = self.page * sum(o is not None for o in self.owner)
+        for tier, capacity, used in (("gpu", self.num_slots * self.max_lora_rank, rows),
                                      ("cpu", self.max_cpu_loras, len(self.cpu))):
             s = self.stats[tier]
             tiers[tier] = {"capacity": capacity, "used": used, "hits": s["hits"], "misses": s["misses"],
                            "evictions": s["evictions"], "load_s_p50": _percentile(s["load_s"], 0.5),
                            "load_s_p99": _percentile(s["load_s"], 0.99)}
+        tiers["gpu"].update(adapters=len(self.slot_of), page_rows=self.page)
         tiers["disk"] = {"capacity": None, "used": len(self.registry)}
 
         def tier_of(name: str) -> str:

@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 # are never targets (refused by the adapter validator).
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
+# Rank rows per page of the adapter slot tier (S-LoRA's unified paging): an adapter of rank r takes
+# ceil(r / 8) pages (rounded up to a power of two), not a whole max-rank slot. 8 is PEFT's default r
+# and the smallest rank commonly trained; when it does not divide max_lora_rank a page is a whole slot.
+LORA_PAGE_ROWS = 8
+
 
 @dataclass
 class ModelConfig:
@@ -106,8 +111,11 @@ class EngineConfig:
     max_num_seqs: running requests in one step. max_num_batched_tokens: tokens (prefill chunks plus
     decodes) in one forward pass. kv_cache_memory: bytes for the paged KV cache; None takes
     `default_kv_cache_memory` (a quarter of the weights' size, at least 64 MiB). block_size: tokens per
-    KV cache block. max_loras: adapter slots (distinct adapters in one step). max_lora_rank: the largest
-    rank `r` a slot holds. max_cpu_loras: adapters kept in host memory (None: no limit).
+    KV cache block. max_loras: adapter slots of max_lora_rank rank rows each (vLLM's `max_loras` memory:
+    max_loras x max_lora_rank rank rows per projection), paged in `LORA_PAGE_ROWS`-row pages, so one step
+    holds max_loras adapters of rank max_lora_rank, or up to max_loras x max_lora_rank / 8 of rank 8.
+    max_lora_rank: the largest rank `r` an adapter may have. max_cpu_loras: adapters kept in host memory
+    (None: no limit).
     """
 
     max_num_seqs: int = 64

@@ -30,7 +30,7 @@ class EngineCollector:
         resident = GaugeMetricFamily("loraplex_adapters_resident", "Adapters held per tier (gpu, cpu, disk)",
                                      labels=["tier"])
         for tier, t in tiers.items():
-            resident.add_metric([tier], t["used"])
+            resident.add_metric([tier], t.get("adapters", t["used"]))
         yield resident
         for key, doc in (("hits", "Adapter hits per tier"), ("misses", "Adapter misses per tier"),
                          ("evictions", "Adapter evictions per tier")):

@@ -1,11 +1,14 @@
-"""Adapter paging between disk, host memory and slots under a Zipf workload on the real default model."""
+"""Adapter paging between disk, host memory and the paged slot tier (S-LoRA unified paging) on the real
+default model: a Zipf workload, many small adapters in few slots, mixed ranks, eviction, unloading."""
 
 from __future__ import annotations
 
 import gc
 import random
+import time
 
 import pytest
+import torch
 
 from loraplex import LLM, SamplingParams
 from loraplex.adapters.manager import AdapterInUseError
@@ -32,6 +35,26 @@ def adapter_dirs(model_path, tmp_path_factory):
     return dirs
 
 
+def assert_pages_consistent(mgr) -> None:
+    """Resident adapters' runs of pages: inside the capacity, never overlapping, each aligned and inside one
+    physical slot, large enough for the rank, matching `owner`; `slot_ranks` holds ranks only at their slots."""
+    pages = {}
+    for name, v in mgr.slot_of.items():
+        rank = mgr.slot_ranks[v]
+        n = mgr._pages_for(rank)
+        assert 0 < rank <= n * mgr.page and v % n == 0, f"{name}: rank {rank} in {n} pages at {v}"
+        assert v // mgr.pages_per_slot == (v + n - 1) // mgr.pages_per_slot, f"{name} crosses a physical slot"
+        for p in range(v, v + n):
+            assert p not in pages, f"{name} and {pages[p]} share page {p}"
+            pages[p] = name
+    assert pages == {p: o for p, o in enumerate(mgr.owner) if o is not None}
+    resident = set(mgr.slot_of.values())
+    assert all(r == 0 for v, r in enumerate(mgr.slot_ranks) if v not in resident)
+    gpu = mgr.adapter_stats()["tiers"]["gpu"]
+    assert gpu["used"] == len(pages) * mgr.page <= gpu["capacity"] == mgr.num_slots * mgr.max_lora_rank
+    assert gpu["adapters"] == len(mgr.slot_of)
+
+
 def zipf_workload(seed: int = 0):
     rng = random.Random(seed)
     weights = [1 / (i + 1) for i in range(NUM_ADAPTERS)]
@@ -49,14 +72,14 @@ def test_zipf_over_200_adapters_with_4_slots(model_path, adapter_dirs):
     assert mgr.adapter_stats()["tiers"]["cpu"]["used"] == 0  # registering loads nothing
 
     evicted_pinned = []
-    original_evict = mgr._evict_slot
+    original_evict = mgr._evict
 
     def checked_evict(name):
         if mgr.refcount.get(name):
             evicted_pinned.append(name)
         original_evict(name)
 
-    mgr._evict_slot = checked_evict
+    mgr._evict = checked_evict
 
     prompts, names = zipf_workload()
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -68,7 +91,8 @@ def test_zipf_over_200_adapters_with_4_slots(model_path, adapter_dirs):
             reqs.append(engine.add_request(prompts[i], greedy, names[i]))
         engine.step()
         step += 1
-        assert len(mgr.slot_of) <= 4 and len(mgr.cpu) + len(mgr.loading) <= 16
+        assert_pages_consistent(mgr)
+        assert len(mgr.cpu) + len(mgr.loading) <= 16
         assert all(r.lora_slot == mgr.slot_of[r.adapter] for r in engine.scheduler.running if r.lora_slot >= 0)
         if engine.scheduler.waiting:
             became_head.setdefault(engine.scheduler.waiting[0].request_id, step)
@@ -161,4 +185,146 @@ def test_repeated_load_and_unload_of_1000_adapters_does_not_leak(tmp_path):
     grown = _rss_bytes() - before
     mgr = llm.engine.adapters
     assert not mgr.registry and not mgr.cpu and not mgr.loading and not mgr.slot_of and not mgr.refcount
+    assert not any(mgr.owner) and not any(mgr.slot_ranks)
     assert grown < 64 << 20, f"RSS grew by {grown / 2**20:.0f} MiB over 1,000 load/unload cycles"
+
+
+def _wait_in_host_memory(mgr, names) -> None:
+    """Load `names` into the CPU tier (the scheduler's prefetch, done up front)."""
+    for n in names:
+        mgr.prefetch(n)
+    deadline = time.monotonic() + 120
+    while not all(n in mgr.cpu for n in names):
+        assert time.monotonic() < deadline, "adapters did not load"
+        time.sleep(0.01)
+        mgr.poll()
+
+
+def test_16_rank_8_adapters_share_2_slots_of_rank_64_in_one_batch(model_path, tmp_path):
+    """max_loras=2 of rank 64 is 128 rank rows: 16 rank-8 adapters resident and batched in one step."""
+    llm = LLM(str(model_path), dtype="float32", max_loras=2, max_lora_rank=64, kv_cache_memory=64 << 20)
+    engine, mgr = llm.engine, llm.engine.adapters
+    assert mgr.page == 8 and mgr.num_pages == 16 and len(mgr.slot_ranks) == 16
+    names = [f"s{i}" for i in range(16)]
+    for i, n in enumerate(names):
+        write_random_adapter(tmp_path / n, engine.model_config, r=8, alpha=16, seed=100 + i, b_std=0.2)
+        llm.load_adapter(n, tmp_path / n)
+    _wait_in_host_memory(mgr, names)
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(3, 9))] for _ in names]
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    reqs = [engine.add_request(p, greedy, n) for p, n in zip(prompts, names, strict=True)]
+    engine.step()
+    assert {r.adapter for r in engine.scheduler.running} == set(names) and not engine.scheduler.waiting
+    assert len(mgr.slot_of) == 16 and sorted(mgr.slot_of.values()) == list(range(16))
+    assert_pages_consistent(mgr)
+    gpu = mgr.adapter_stats()["tiers"]["gpu"]
+    assert (gpu["used"], gpu["capacity"], gpu["adapters"], gpu["page_rows"], gpu["evictions"]) == (128, 128, 16, 8, 0)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    # Each adapter alone, on an engine whose slots are not paged (rank 12 is no multiple of 8: a page is a slot).
+    alone = LLM(str(model_path), dtype="float32", max_loras=1, max_lora_rank=12, kv_cache_memory=16 << 20)
+    assert alone.engine.adapters.page == 12
+    for i, n in enumerate(names):
+        alone.load_adapter(n, tmp_path / n)
+        out = alone.generate([prompts[i]], greedy, adapters=n)[0]
+        assert reqs[i].output_token_ids == out.token_ids, f"adapter {n}"
+    base = alone.generate(prompts, greedy)
+    assert sum(r.output_token_ids != b.token_ids for r, b in zip(reqs, base, strict=True)) >= 8
+
+
+def test_rank_64_adapter_gets_a_whole_slot_while_small_pinned_adapters_keep_running(model_path, tmp_path):
+    """Small rank-8 / rank-16 adapters, pinned by a steady stream of requests, fill both slots; a rank-64
+    adapter waits: a slot is reserved and drained for it, it runs within a bounded wait, and the small
+    adapters of the other slot run on meanwhile."""
+    llm = LLM(str(model_path), dtype="float32", max_loras=2, max_lora_rank=64, kv_cache_memory=64 << 20)
+    engine, mgr = llm.engine, llm.engine.adapters
+    cfg = engine.model_config
+    small = {**{f"r8_{i}": 8 for i in range(6)}, **{f"r16_{i}": 16 for i in range(5)}}  # 6 + 5 x 2 = 16 pages
+    for i, (n, r) in enumerate({**small, "big": 64}.items()):
+        write_random_adapter(tmp_path / n, cfg, r=r, alpha=r, seed=200 + i, b_std=0.2)
+        llm.load_adapter(n, tmp_path / n)
+    _wait_in_host_memory(mgr, [*small, "big"])
+    evicted_pinned = []
+    original_evict = mgr._evict
+
+    def checked_evict(name):
+        if mgr.refcount.get(name):
+            evicted_pinned.append(name)
+        original_evict(name)
+
+    mgr._evict = checked_evict
+
+    rng = random.Random(2)
+    names = list(small)
+    reqs, big_req, big_admitted_at, small_with_big, admitted_while_waiting = [], None, None, 0, 0
+    for step in range(1, 300):
+        if step <= 40:  # a steady stream keeps the small adapters pinned
+            for _ in range(1 if step > 1 else len(names)):
+                n = names[len(reqs) % len(names)]
+                p = SamplingParams(max_tokens=rng.randrange(6, 12), temperature=0, ignore_eos=True)
+                reqs.append(engine.add_request([rng.randrange(100, 40000) for _ in range(4)], p, n))
+        if step == 3:
+            assert sum(o is not None for o in mgr.owner) == 16 and all(mgr.refcount.get(n) for n in names)
+            big_req = engine.add_request([11, 12, 13, 14], SamplingParams(max_tokens=4, temperature=0,
+                                                                           ignore_eos=True), "big")
+        before, draining = set(engine.scheduler.running), set(mgr.draining)
+        engine.step()
+        assert_pages_consistent(mgr)
+        admitted = [r for r in engine.scheduler.running if r not in before]
+        running = {r.adapter for r in engine.scheduler.running}
+        if "big" in running:
+            if big_admitted_at is None:
+                big_admitted_at = step
+                v = mgr.slot_of["big"]
+                assert v % mgr.pages_per_slot == 0 and mgr.owner[v:v + mgr.pages_per_slot] == ["big"] * 8
+                assert mgr.reserved is None or mgr.reserved[0] != "big"  # maybe already kept for the next one
+            small_with_big = max(small_with_big, len(running & set(names)))
+        elif big_req is not None and big_admitted_at is None:  # big waits: its slot drains, the other runs
+            assert mgr.reserved is not None and mgr.reserved[0] == "big" and mgr.draining
+            assert not any(r.adapter in draining for r in admitted), "a draining adapter admitted a request"
+            admitted_while_waiting += len(admitted)
+        if step > 40 and not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests(), "the workload does not finish"
+    assert not evicted_pinned
+    assert big_admitted_at is not None and big_admitted_at - 3 <= 20, f"big waited {big_admitted_at - 3} steps"
+    assert admitted_while_waiting > 0 and small_with_big > 0, "small adapters stopped while big waited or ran"
+    assert all(r.is_finished and r.num_output_tokens == r.sampling_params.max_tokens for r in [*reqs, big_req])
+    alone = llm.generate([[11, 12, 13, 14]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                         adapters="big")[0]
+    assert big_req.output_token_ids == alone.token_ids
+
+
+def test_evicted_and_unloaded_adapters_leave_zero_rows(tmp_path):
+    """A rank-16 adapter evicted for a rank-8 one: rows 8..15 are zero again and rows 0..7 hold exactly the
+    new adapter; unloading that one leaves every buffer all zero."""
+    llm = LLM("tiny-llama", load_format="dummy", dtype="float32", max_loras=1, max_lora_rank=16,
+              kv_cache_memory=1 << 20)
+    cfg, mgr = llm.engine.model_config, llm.engine.adapters
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for n, r in (("wide", 16), ("narrow", 8)):
+        write_random_adapter(tmp_path / n, cfg, r=r, alpha=r, targets=targets, seed=r)
+        llm.load_adapter(n, tmp_path / n)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    buffers = [w for layer in mgr.buffers for w in layer.values()]
+    llm.generate([[1, 2, 3]], params, adapters="wide")
+    assert mgr.slot_of == {"wide": 0} and all(w.A[0, 8:16].abs().sum() > 0 for w in buffers)
+
+    llm.generate([[1, 2, 3]], params, adapters="narrow")
+    assert dict(mgr.slot_of) == {"narrow": 0} and mgr.stats["gpu"]["evictions"] == 1
+    narrow = mgr.cpu["narrow"]
+    for layer, modules in enumerate(mgr.buffers):
+        for module, w in modules.items():
+            m = narrow.modules[layer, module]
+            assert torch.equal(w.A[0, :8], m.A) and torch.equal(w.B[0, :, :8], m.B)
+            assert not w.A[0, 8:].any() and not w.B[0, :, 8:].any()
+            assert not w.AT[0, :, 8:].any() and not w.BT[0, 8:].any()
+            assert w.ranks_list == [8, 0] and w.scales_list[1] == 0.0
+
+    llm.unload_adapter("narrow")
+    for w in buffers:
+        assert not (w.A.any() or w.B.any() or w.AT.any() or w.BT.any() or w.ranks.any() or w.scales.any())
+    assert not any(mgr.owner) and mgr.adapter_stats()["tiers"]["gpu"]["used"] == 0

@@ -156,12 +156,17 @@ class Throughput:
 
 @dataclass(frozen=True)
 class Tier:
+    """One adapter tier's row. `used` and `capacity` count adapters, or rank rows for the paged slot
+    tier ("gpu"), which then also reports its resident adapters in `adapters`."""
+
     name: str
     used: int
     capacity: int | None
     hits: int | None
     misses: int | None
     evictions: int | None
+    unit: str = "adapters"
+    adapters: int | None = None
 
 
 @dataclass(frozen=True)
@@ -182,7 +187,8 @@ class EnginePanel:
 async def engine_panel(gw: Gateway, throughput: Throughput) -> tuple[EnginePanel, dict[str, str]]:
     """The panel, and each registered engine adapter's tier (by engine name)."""
     stats = await gw.engine.stats()
-    tiers = [Tier(name, t["used"], t["capacity"], t.get("hits"), t.get("misses"), t.get("evictions"))
+    tiers = [Tier(name, t["used"], t["capacity"], t.get("hits"), t.get("misses"), t.get("evictions"),
+                  "rank rows" if "page_rows" in t else "adapters", t.get("adapters"))
              for name, t in stats["adapters"]["tiers"].items()]
     panel = EnginePanel(
         model=gw.engine.model_id, quota_store="degraded" if gw.quotas.degraded else "ok",
