@@ -126,6 +126,8 @@ class AdapterManager:
         if name in self.slot_of:
             with self._on_copy_stream():
                 self._evict(name)
+        if self.reserved is not None and self.reserved[0] == name:
+            self._reserve(None)  # nobody waits for the run any more: its owners stop draining
         self.cpu.pop(name, None)
         future = self.loading.pop(name, None)
         if future is not None:

@@ -113,7 +113,8 @@ class EngineConfig:
     `default_kv_cache_memory` (a quarter of the weights' size, at least 64 MiB). block_size: tokens per
     KV cache block. max_loras: adapter slots of max_lora_rank rank rows each (vLLM's `max_loras` memory:
     max_loras x max_lora_rank rank rows per projection), paged in `LORA_PAGE_ROWS`-row pages, so one step
-    holds max_loras adapters of rank max_lora_rank, or up to max_loras x max_lora_rank / 8 of rank 8.
+    holds max_loras adapters of rank max_lora_rank, or up to max_loras x max_lora_rank / 8 of rank 8
+    (when 8 divides max_lora_rank; otherwise a page is a whole slot).
     max_lora_rank: the largest rank `r` an adapter may have. max_cpu_loras: adapters kept in host memory
     (None: no limit).
     """

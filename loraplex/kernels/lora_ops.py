@@ -42,7 +42,8 @@ _backend = os.environ.get("LORAPLEX_LORA_BACKEND", "auto")
 # the base projections' time at T = 64, against 0.26 for bgmv). bgmv reads only each row's own
 # adapter, so its cost does not grow with the number of adapters: it wins from about 8-16 adapters
 # per step (64 rows over 64 adapters: bgmv 0.31, packed 0.78 of the base projections' time).
-PACKED_LIMITS = {torch.float32: (96, 160 * 1024)}  # dtype -> (max N, max T x N)
+# fp32 keeps the limit measured against the older per-row path (bgmv not re-measured in fp32).
+PACKED_LIMITS = {torch.float32: (1024, 160 * 1024)}  # dtype -> (max N, max T x N)
 PACKED_LIMITS_16BIT = (96, 1024 * 1024)
 # With bgmv, segments of at least this many rows (long prefill chunks) take one dense matmul pair each
 # (`add_lora_dense_segments`), reading their adapter once for all their rows. Measured on the paging
@@ -151,6 +152,7 @@ class LoRAWeights:
             if row + r > self.A.shape[1] or A.shape[1] != self.A.shape[2] or tuple(B.shape) != (self.B.shape[1], r):
                 raise ValueError(f"adapter weights A{tuple(A.shape)} B{tuple(B.shape)} do not fit slot "
                                  f"buffers A{tuple(self.A.shape[1:])} B{tuple(self.B.shape[1:])} at rank row {row}")
+            self.ranks_list[slot] = r  # before the copies: if one fails, a later clear zeroes these rows
             self.A[phys, row:row + r].copy_(A)
             self.B[phys, :, row:row + r].copy_(B)
             if self.AT is not None:
@@ -185,11 +187,11 @@ def _pick_backend(x: torch.Tensor, meta: LoRAMeta, slices: Sequence[LoRAWeights]
 
 
 def _split_long_segments(meta: LoRAMeta) -> tuple:
-    """(meta of the long segments' rows, meta of the other rows), or () when the step has no mix of
-    both (cached on meta: every layer of the step splits the same way)."""
+    """(meta of the long segments' rows, meta of the other rows); (meta,) when every segment is long;
+    () when none is (cached on meta: every layer of the step splits the same way)."""
     if meta._split is None:
         long = {s for s, n in zip(meta.seg_slots_list, meta.seg_lens_list, strict=True) if n >= LONG_SEGMENT_ROWS}
-        meta._split = ()
+        meta._split = () if not long else (meta,)
         if long and len(long) < meta.num_segments:
             ids = meta.slot_ids.tolist()
             parts = [[s if s >= 0 and (s in long) == keep else -1 for s in ids] for keep in (True, False)]
@@ -224,6 +226,8 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, slices: Sequence[LoRAWeights], me
         if any(w.AT is None for w in slices):
             raise ValueError("the bgmv path reads the CPU mirrors of LoRAWeights.empty(device='cpu')")
         parts = _split_long_segments(meta) if _backend == "auto" else ()
+        if len(parts) == 1:  # every segment is long: (meta,)
+            return add_lora_dense_segments(y, x, slices, meta, list(offsets))
         if parts:  # prefill chunks through dense matmuls, the rest gathered per row
             add_lora_dense_segments(y, x, slices, parts[0], list(offsets))
             return add_lora_bgmv(y, x, slices, parts[1], list(offsets))

@@ -25,8 +25,8 @@ class LoRAMeta:
 
     slot_ids: [T] int32, slot of each row or -1. row_order: [N] int64, rows with slot >= 0 sorted
     stably by slot (N <= T). seg_slots, seg_starts, seg_lens: [G] int32. max_seg_len: longest segment.
-    slot_ranks: host list of length S, the largest rank each slot holds over all layers (0 for an
-    empty slot), used by the packed CPU path. `row_tiles(block_m)` cuts segments into the Triton
+    slot_ranks: host list of length V (virtual slots, see `LoRAWeights`), the rank of the adapter at
+    each virtual slot over all layers (0 elsewhere), used by the packed and bgmv CPU paths. `row_tiles(block_m)` cuts segments into the Triton
     kernels' row tiles, cached per tile height so every layer of the step reuses one copy.
     """
 

@@ -4,9 +4,10 @@ Letters: T rows, S physical adapter slots, R max rank, V virtual slots of `page`
 `LoRAWeights`), H_in / H_out the projection's in / out features, N sum over active slots of their
 rank (the packed path's inner size). Slot ids are virtual slots.
 
-Semantics (Punica, arXiv:2310.18547), for row t with slot s = slot_ids[t] >= 0 and r = ranks[s]:
-    shrink:  v[t, :r] = x[t] @ A[s, :r].T
-    expand:  y[t, off:off+H_out] += scales[s] * v[t, :r] @ B[s, :, :r].T
+Semantics (Punica, arXiv:2310.18547), for row t with virtual slot s = slot_ids[t] >= 0, r = ranks[s],
+A_s = w.a_rows(s, r) [r, H_in] and B_s = w.b_cols(s, r) [H_out, r]:
+    shrink:  v[t, :r] = x[t] @ A_s.T
+    expand:  y[t, off:off+H_out] += scales[s] * v[t, :r] @ B_s.T
 Rows with slot -1 are never written, so they keep exactly the base model's output.
 """
 
@@ -185,6 +186,8 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
     Needs the mirrors (`LoRAWeights.empty` on CPU) and `meta.slot_ranks`. Rows without an adapter
     are neither read nor written.
     """
+    if meta.slot_ranks is None:
+        raise ValueError("the bgmv path needs meta.slot_ranks (build_lora_meta(..., slot_ranks=...))")
     plan = _bgmv_plan(meta, slices[0], x.device)
     rows = plan["rows"]
     xs = x if rows is None else x.index_select(0, rows)  # [T_a, H_in]

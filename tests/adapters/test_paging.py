@@ -35,6 +35,20 @@ def adapter_dirs(model_path, tmp_path_factory):
     return dirs
 
 
+def watch_pinned_evictions(mgr) -> list[str]:
+    """Wrap mgr._evict so every eviction of a pinned adapter is recorded in the returned list."""
+    evicted_pinned: list[str] = []
+    original_evict = mgr._evict
+
+    def checked_evict(name):
+        if mgr.refcount.get(name):
+            evicted_pinned.append(name)
+        original_evict(name)
+
+    mgr._evict = checked_evict
+    return evicted_pinned
+
+
 def assert_pages_consistent(mgr) -> None:
     """Resident adapters' runs of pages: inside the capacity, never overlapping, each aligned and inside one
     physical slot, large enough for the rank, matching `owner`; `slot_ranks` holds ranks only at their slots."""
@@ -71,15 +85,7 @@ def test_zipf_over_200_adapters_with_4_slots(model_path, adapter_dirs):
     engine, mgr = llm.engine, llm.engine.adapters
     assert mgr.adapter_stats()["tiers"]["cpu"]["used"] == 0  # registering loads nothing
 
-    evicted_pinned = []
-    original_evict = mgr._evict
-
-    def checked_evict(name):
-        if mgr.refcount.get(name):
-            evicted_pinned.append(name)
-        original_evict(name)
-
-    mgr._evict = checked_evict
+    evicted_pinned = watch_pinned_evictions(mgr)
 
     prompts, names = zipf_workload()
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -247,15 +253,7 @@ def test_rank_64_adapter_gets_a_whole_slot_while_small_pinned_adapters_keep_runn
         write_random_adapter(tmp_path / n, cfg, r=r, alpha=r, seed=200 + i, b_std=0.2)
         llm.load_adapter(n, tmp_path / n)
     _wait_in_host_memory(mgr, [*small, "big"])
-    evicted_pinned = []
-    original_evict = mgr._evict
-
-    def checked_evict(name):
-        if mgr.refcount.get(name):
-            evicted_pinned.append(name)
-        original_evict(name)
-
-    mgr._evict = checked_evict
+    evicted_pinned = watch_pinned_evictions(mgr)
 
     rng = random.Random(2)
     names = list(small)

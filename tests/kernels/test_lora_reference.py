@@ -156,3 +156,27 @@ def test_paged_slots_match_dense(path, dtype, page, popularity):
     case = make_case(33, popularity, 8, dtype, 96, [80, 24], "nan" if path == "segmented" else "zero",
                      seed=page, page=page)
     _run(path, case)
+
+
+def test_bgmv_step_of_only_long_segments_takes_dense_matmuls(monkeypatch):
+    """Every segment a long prefill chunk: no row goes through bgmv."""
+    slot_ids = [0] * 40 + [1] * 36
+    case = make_case(len(slot_ids), "uniform", 2, torch.float32, 64, [48], "zero", seed=13)
+    case.slot_ids[:] = slot_ids
+    case.x.copy_(torch.randn(case.x.shape))
+    case.y.copy_(torch.randn(case.y.shape))
+    case.meta = build_lora_meta(slot_ids, DEVICE, slot_ranks=case.meta.slot_ranks)
+    monkeypatch.setattr(lora_ops, "_backend", "auto")
+    monkeypatch.setattr(lora_ops, "PACKED_LIMITS", {torch.float32: (4, 1 << 20)})
+    monkeypatch.setattr(lora_ops, "LONG_SEGMENT_ROWS", 32)
+    monkeypatch.setattr(lora_ops, "add_lora_bgmv", None)  # any call would raise
+    y = case.y.clone()
+    lora_ops.add_lora(y, case.x, case.slices, case.meta, case.offsets)
+    assert_matches(y, case, case.y)
+
+
+def test_bgmv_without_slot_ranks_is_refused():
+    case = make_case(4, "uniform", 2, torch.float32, 16, [8], "zero", seed=15)
+    meta = build_lora_meta(case.slot_ids, DEVICE)
+    with pytest.raises(ValueError, match="slot_ranks"):
+        add_lora_bgmv(case.y.clone(), case.x, case.slices, meta, case.offsets)
