@@ -75,7 +75,8 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="loraplex-paging-"))
     commit = report_commit()
-    for k, (targets, max_loras) in enumerate((t, int(m)) for t in target_sets for m in args.max_loras.split(",")):
+    runs = [(t, int(m)) for t in target_sets for m in args.max_loras.split(",")]
+    for k, (targets, max_loras) in enumerate(runs):
         llm = LLM(args.model, dtype=args.dtype, max_loras=max_loras, max_cpu_loras=args.max_cpu_loras,
                   max_lora_rank=64, max_num_seqs=args.max_num_seqs)
         cfg = llm.engine.model_config
@@ -110,7 +111,7 @@ def main() -> None:
             print(f"| {max_loras} | {n} | {lora_tps:.0f} | {base_tps:.0f} | {lora_tps / base_tps:.2f} | "
                   f"{mean_batch:.1f} | {hits / max(1, hits + misses):.2f} | {loads} |", flush=True)
         print()
-        if k < len(target_sets) * len(args.max_loras.split(",")) - 1:
+        if k < len(runs) - 1:
             llm.engine.adapters.close()
             del llm
 

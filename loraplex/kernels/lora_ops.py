@@ -186,18 +186,17 @@ def _pick_backend(x: torch.Tensor, meta: LoRAMeta, slices: Sequence[LoRAWeights]
     return "bgmv" if all(w.AT is not None for w in slices) else "segmented"
 
 
-def _split_long_segments(meta: LoRAMeta) -> tuple:
-    """(meta of the long segments' rows, meta of the other rows); (meta,) when every segment is long;
-    () when none is (cached on meta: every layer of the step splits the same way)."""
+def _split_long_segments(meta: LoRAMeta) -> tuple[LoRAMeta | None, LoRAMeta | None]:
+    """(meta of the long segments' rows, meta of the other rows), None for a part without rows
+    (cached on meta: every layer of the step splits the same way)."""
     if meta._split is None:
         long = {s for s, n in zip(meta.seg_slots_list, meta.seg_lens_list, strict=True) if n >= LONG_SEGMENT_ROWS}
-        meta._split = () if not long else (meta,)
-        if long and len(long) < meta.num_segments:
+        if not long or len(long) == meta.num_segments:
+            meta._split = (meta, None) if long else (None, meta)
+        else:
             ids = meta.slot_ids.tolist()
             parts = [[s if s >= 0 and (s in long) == keep else -1 for s in ids] for keep in (True, False)]
             meta._split = tuple(build_lora_meta(p, meta.slot_ids.device, meta.slot_ranks) for p in parts)
-            for part in meta._split:
-                part._split = ()
     return meta._split
 
 
@@ -225,13 +224,13 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, slices: Sequence[LoRAWeights], me
     if backend == "bgmv":
         if any(w.AT is None for w in slices):
             raise ValueError("the bgmv path reads the CPU mirrors of LoRAWeights.empty(device='cpu')")
-        parts = _split_long_segments(meta) if _backend == "auto" else ()
-        if len(parts) == 1:  # every segment is long: (meta,)
-            return add_lora_dense_segments(y, x, slices, meta, list(offsets))
-        if parts:  # prefill chunks through dense matmuls, the rest gathered per row
-            add_lora_dense_segments(y, x, slices, parts[0], list(offsets))
-            return add_lora_bgmv(y, x, slices, parts[1], list(offsets))
-        return add_lora_bgmv(y, x, slices, meta, list(offsets))
+        # prefill chunks through dense matmuls, the rest gathered per row (forced bgmv: every row)
+        long, short = _split_long_segments(meta) if _backend == "auto" else (None, meta)
+        if long is not None:
+            add_lora_dense_segments(y, x, slices, long, list(offsets))
+        if short is not None:
+            add_lora_bgmv(y, x, slices, short, list(offsets))
+        return y
     if backend == "triton":
         from loraplex.kernels.triton_sgmv import add_lora_triton
 

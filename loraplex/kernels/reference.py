@@ -188,7 +188,7 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
     """
     if meta.slot_ranks is None:
         raise ValueError("the bgmv path needs meta.slot_ranks (build_lora_meta(..., slot_ranks=...))")
-    plan = _bgmv_plan(meta, slices[0], x.device)
+    plan = _bgmv_plan(meta, slices[0])
     rows = plan["rows"]
     xs = x if rows is None else x.index_select(0, rows)  # [T_a, H_in]
     h_in = x.shape[1]
@@ -212,7 +212,7 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
     return y
 
 
-def _bgmv_plan(meta: LoRAMeta, w, device: torch.device) -> dict:
+def _bgmv_plan(meta: LoRAMeta, w) -> dict:
     """Per-step gather plan shared by every layer (cached on meta): the rows with an adapter in
     their own order (None when all rows have one), each row's pages, and the expand bags."""
     if meta._bgmv is None:
