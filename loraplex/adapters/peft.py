@@ -16,13 +16,15 @@ the loaders either return a complete LoRAAdapter or raise AdapterError.
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 import re
+import struct
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 
 from loraplex.adapters.peft_config import LoRAModuleSpec, matching_pattern_keys, resolve_lora_modules
 from loraplex.adapters.safetensors_check import AdapterError, TensorInfo, read_safetensors_header
@@ -53,16 +55,36 @@ class LoRAModule:
 
 
 @dataclass
+class StackedModule:
+    """One projection's LoRA weights over all L layers, padded to the adapter's largest rank r for it:
+    A [L, r, H_in], B [L, H_out, r] (rows / columns past a layer's own rank, and layers the adapter
+    does not target, are zeros); `ranks` and `scalings` per layer (0 where not targeted). The engine
+    copies an adapter into its slot buffers with a few copies per projection instead of a few per layer."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    ranks: list[int]
+    scalings: list[float]
+
+
+@dataclass
 class LoRAAdapter:
-    """A loaded adapter. `config` is the raw adapter_config.json, `rank` the max r over `modules`,
-    `modules` keyed by (layer index, name in LORA_TARGET_MODULES), `num_bytes` the size of the tensors file in bytes."""
+    """A loaded adapter. `config` is the raw adapter_config.json, `rank` the max r over its modules,
+    `num_bytes` the size of the tensors file in bytes, `stacked` its weights per projection name (in
+    LORA_TARGET_MODULES) over all layers; `modules` the same per (layer index, projection name)."""
 
     name: str
     path: str
     config: dict
     rank: int
-    modules: dict[tuple[int, str], LoRAModule]
     num_bytes: int
+    stacked: dict[str, StackedModule]
+
+    @functools.cached_property
+    def modules(self) -> dict[tuple[int, str], LoRAModule]:
+        """{(layer, projection): LoRAModule} for every projection the adapter targets, views into `stacked`."""
+        return {(layer, module): LoRAModule(s.A[layer, :r], s.B[layer, :, :r], s.scalings[layer])
+                for module, s in self.stacked.items() for layer, r in enumerate(s.ranks) if r}
 
 
 def _parse_key(key: str, model_config: ModelConfig) -> tuple[int, str, str, str | None]:
@@ -135,8 +157,8 @@ def load_peft_files(
 
     For callers that hold the files elsewhere than a save_pretrained directory (an upload in a temp
     dir). `name` defaults to the name of the file's directory, `path` to that directory. Tensors are
-    returned contiguous in `dtype` (converted after the finiteness check, and checked again so that a
-    float16 overflow is refused too). Raises AdapterError naming the field or tensor at fault.
+    returned in `dtype` (converted after the finiteness check, and checked again so that a float16
+    overflow is refused too), as views into one stacked tensor per projection (`LoRAAdapter.stacked`). Raises AdapterError naming the field or tensor at fault.
     """
     tensors_path = os.fspath(tensors_path)
     path = path if path is not None else os.path.dirname(os.path.abspath(tensors_path))
@@ -180,12 +202,8 @@ def load_peft_files(
                 )
         _check_shapes(config, module_name, module, spec, keys, header, model_config)
 
-    modules = {}
     try:
-        with safe_open(tensors_path, framework="pt") as f:
-            for layer_module, spec in specs.items():  # found has the same keys by now
-                A, B = (_read_finite(f, found[layer_module][ab], dtype) for ab in ("A", "B"))
-                modules[layer_module] = LoRAModule(A, B, spec.scaling)
+        stacked = _read_stacked(tensors_path, header, found, specs, model_config, dtype)
     except AdapterError:
         raise
     except Exception as e:  # the header passed our checks, so this is I/O or a file changed under us
@@ -195,21 +213,79 @@ def load_peft_files(
         path=path,
         config=config,
         rank=max(spec.r for spec in specs.values()),
-        modules=modules,
         num_bytes=os.path.getsize(tensors_path),
+        stacked=stacked,
     )
 
 
-def _read_finite(f, key: str, dtype: torch.dtype) -> torch.Tensor:
-    t = f.get_tensor(key)
-    num_bad = int((~torch.isfinite(t)).sum())
-    if num_bad:
-        raise AdapterError(f"tensor {key!r}: {num_bad} NaN/Inf value(s)")
-    t = t.to(dtype).contiguous()
-    num_bad = int((~torch.isfinite(t)).sum())
-    if num_bad:
-        raise AdapterError(f"tensor {key!r}: {num_bad} value(s) overflow {dtype}")
-    return t
+_TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _read_stacked(tensors_path: str, header: dict[str, TensorInfo], found: dict[tuple[int, str], dict[str, str]],
+                  specs: dict[tuple[int, str], LoRAModuleSpec], model_config: ModelConfig,
+                  dtype: torch.dtype) -> dict[str, StackedModule]:
+    """Read the file once and stack each projection's layers ([L, r, H_in] and [L, H_out, r]) in `dtype`.
+
+    The header is validated already, so the tensors tile the data section: with one dtype in the file
+    (the usual case) one finiteness check covers every tensor, and a projection with one rank on every
+    layer is one `torch.stack`. Per-tensor work happens only to name the tensor at fault.
+    """
+    size = os.path.getsize(tensors_path)
+    buf = bytearray(size)
+    with open(tensors_path, "rb") as f:
+        if f.readinto(buf) != size:
+            raise AdapterError(f"{SAFETENSORS_NAME}: file changed while it was read")
+    base = 8 + struct.unpack_from("<Q", buf)[0]
+
+    def view(key: str) -> torch.Tensor:
+        info = header[key]
+        return torch.frombuffer(buf, dtype=_TORCH_DTYPES[info.dtype], count=math.prod(info.shape),
+                                offset=base + info.begin).view(info.shape)
+
+    keys = [found[lm][ab] for lm in specs for ab in ("A", "B")]
+    dtypes = {header[k].dtype for k in keys}
+    finite = fits = False  # every value is finite in the file / is known to stay finite in `dtype`
+    if len(dtypes) == 1 and size > base:  # the whole data section is one tensor of one dtype
+        whole = torch.frombuffer(buf, dtype=_TORCH_DTYPES[dtypes.pop()], offset=base)
+        lo, hi = (float(v) for v in torch.aminmax(whole))  # NaN propagates; 10x cheaper than isfinite
+        finite = math.isfinite(lo) and math.isfinite(hi)
+        fits = finite and max(-lo, hi) <= torch.finfo(dtype).max
+    if not finite:  # find the tensor at fault (or check each dtype's tensors on their own)
+        for key in keys:
+            num_bad = int((~torch.isfinite(view(key))).sum())
+            if num_bad:
+                raise AdapterError(f"tensor {key!r}: {num_bad} NaN/Inf value(s)")
+
+    num_layers = model_config.num_hidden_layers
+    by_module: dict[str, dict[int, LoRAModuleSpec]] = {}
+    for (layer, module), spec in specs.items():
+        by_module.setdefault(module, {})[layer] = spec
+    stacked = {}
+    for module, layers in by_module.items():
+        h_in, h_out = model_config.lora_module_shape(module)
+        r = max(spec.r for spec in layers.values())
+        a_views = {layer: view(found[layer, module]["A"]) for layer in layers}
+        b_views = {layer: view(found[layer, module]["B"]) for layer in layers}
+        if (len(layers) == num_layers and all(spec.r == r for spec in layers.values())
+                and len({t.dtype for t in a_views.values()} | {t.dtype for t in b_views.values()}) == 1):
+            A = torch.stack([a_views[i] for i in range(num_layers)]).to(dtype)  # [L, r, H_in]
+            B = torch.stack([b_views[i] for i in range(num_layers)]).to(dtype)  # [L, H_out, r]
+        else:  # layers_to_transform, rank_pattern or mixed dtypes: zero padding where a layer has less
+            A = torch.zeros(num_layers, r, h_in, dtype=dtype)
+            B = torch.zeros(num_layers, h_out, r, dtype=dtype)
+            for layer, spec in layers.items():
+                A[layer, :spec.r].copy_(a_views[layer])
+                B[layer, :, :spec.r].copy_(b_views[layer])
+        if not fits and not (bool(torch.isfinite(A).all()) and bool(torch.isfinite(B).all())):  # past dtype's range
+            for layer, spec in layers.items():
+                for ab, t in (("A", A[layer, :spec.r]), ("B", B[layer, :, :spec.r])):
+                    num_bad = int((~torch.isfinite(t)).sum())
+                    if num_bad:
+                        raise AdapterError(f"tensor {found[layer, module][ab]!r}: {num_bad} value(s) overflow {dtype}")
+        ranks = [layers[i].r if i in layers else 0 for i in range(num_layers)]
+        scalings = [layers[i].scaling if i in layers else 0.0 for i in range(num_layers)]
+        stacked[module] = StackedModule(A, B, ranks, scalings)
+    return stacked
 
 
 def validate_peft_files(
@@ -278,6 +354,7 @@ __all__ = [
     "AdapterError",
     "LoRAAdapter",
     "LoRAModule",
+    "StackedModule",
     "load_peft_adapter",
     "load_peft_files",
     "read_adapter_config",

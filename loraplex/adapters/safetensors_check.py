@@ -18,6 +18,7 @@ import json
 import math
 import os
 import struct
+from collections import Counter
 from dataclasses import dataclass
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -40,8 +41,7 @@ class TensorInfo:
 
 
 def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    keys = [k for k, _ in pairs]
-    dupes = sorted({k for k in keys if keys.count(k) > 1})
+    dupes = sorted(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
     if dupes:
         raise AdapterError(f"duplicate key(s) {dupes} in header")
     return dict(pairs)

@@ -80,6 +80,10 @@ def assert_matches_peft(adapter, peft_model):
         assert got.scaling == scaling, key
         assert torch.equal(got.A, A) and torch.equal(got.B, B), key
     assert adapter.rank == max(r for r, *_ in expected.values())
+    for module, s in adapter.stacked.items():  # what the engine copies: zeros past each layer's rank
+        for layer, r in enumerate(s.ranks):
+            assert (r > 0) == ((layer, module) in expected), (layer, module)
+            assert not s.A[layer, r:].any() and not s.B[layer, :, r:].any(), (layer, module)
 
 
 # --- parity with PEFT ------------------------------------------------------------------------------
@@ -513,3 +517,17 @@ def test_scaling_formulae(make_adapter, model_config):
     adapter = load(path, model_config)
     assert adapter.modules[(0, "q_proj")].scaling == 4.0
     assert adapter.modules[(0, "v_proj")].scaling == 3 / math.sqrt(2)
+
+
+def test_file_mixing_dtypes_loads_each_tensor(make_adapter, model_config):
+    """One fp16 tensor among fp32 ones: the one-dtype fast checks do not apply, the tensors still load
+    (the fp16 one widened) and a NaN in the fp16 one is still named."""
+    path, peft_model = make_adapter(target_modules=["q_proj", "v_proj"])
+    key = "base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"
+    edit_tensors(path, lambda t: t.update({key: t[key].half()}))
+    got = load(path, model_config).modules[(1, "v_proj")].A
+    assert got.dtype == torch.float32
+    assert torch.equal(got, peft_lora_modules(peft_model)[(1, "v_proj")][2].half().float())
+    edit_tensors(path, lambda t: t[key].view(-1).__setitem__(3, float("nan")))
+    with pytest.raises(AdapterError, match=f"{key}': 1 NaN/Inf"):
+        load(path, model_config)
