@@ -43,7 +43,7 @@ import torch
 
 from loraplex.adapters.peft import AdapterError, LoRAAdapter, load_peft_adapter, validate_peft_adapter
 from loraplex.engine.config import LORA_PAGE_ROWS, LORA_TARGET_MODULES, EngineConfig, ModelConfig
-from loraplex.kernels import LoRAWeights
+from loraplex.kernels import LoRAStack, LoRAWeights
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +77,16 @@ class AdapterManager:
         self.max_cpu_loras = engine_cfg.max_cpu_loras
         self.dtype = dtype
         self.device = torch.device(device)
-        # buffers[layer][module]: allocated for every targetable projection of every layer.
+        # stacks[module]: every layer's slot buffers of a targetable projection in one allocation;
+        # buffers[layer][module]: layer `layer`'s views of them, what the model's LoRA ops read.
+        self.stacks: dict[str, LoRAStack] = {
+            m: LoRAStack.empty(model_cfg.num_hidden_layers, self.num_slots, self.max_lora_rank,
+                               *model_cfg.lora_module_shape(m), dtype, device, page=self.page)
+            for m in LORA_TARGET_MODULES
+        }
         self.buffers: list[dict[str, LoRAWeights]] = [
-            {m: LoRAWeights.empty(self.num_slots, self.max_lora_rank, *model_cfg.lora_module_shape(m), dtype,
-                                  device, page=self.page)
-             for m in LORA_TARGET_MODULES}
-            for _ in range(model_cfg.num_hidden_layers)
+            {m: stack.layers[layer] for m, stack in self.stacks.items()}
+            for layer in range(model_cfg.num_hidden_layers)
         ]
         self.registry: dict[str, Path] = {}  # disk tier
         self.cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
@@ -181,7 +185,7 @@ class AdapterManager:
         adapter = load_peft_adapter(path, self.model_cfg, max_lora_rank=self.max_lora_rank, name=name,
                                     dtype=self.dtype)
         if self.device.type == "cuda":
-            for m in adapter.modules.values():
+            for m in adapter.stacked.values():  # (adapter.modules keep views of the unpinned copies)
                 m.A, m.B = m.A.pin_memory(), m.B.pin_memory()
         return adapter, time.perf_counter() - start
 
@@ -342,12 +346,14 @@ class AdapterManager:
             main.wait_stream(self._copy_stream)
 
     def _write(self, slot: int, adapter: LoRAAdapter | None) -> None:
-        """Write `adapter` at virtual slot `slot` of every layer's buffers (None: zero its rows)."""
-        for layer, modules in enumerate(self.buffers):
-            for module, weights in modules.items():
-                m = None if adapter is None else adapter.modules.get((layer, module))
-                weights.set_slot(slot, None if m is None else m.A, None if m is None else m.B,
-                                 0.0 if m is None else m.scaling)
+        """Write `adapter` at virtual slot `slot` of every layer's buffers (None: zero its rows); a few
+        copies per projection, all layers at once (`LoRAStack.set_slot`)."""
+        for module, stack in self.stacks.items():
+            m = None if adapter is None else adapter.stacked.get(module)
+            if m is None:
+                stack.set_slot(slot, None, None)
+            else:
+                stack.set_slot(slot, m.A, m.B, m.ranks, m.scalings)
 
     def _copy_in(self, name: str, slot: int) -> None:
         start = time.perf_counter()

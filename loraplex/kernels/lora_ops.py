@@ -164,6 +164,91 @@ class LoRAWeights:
         self.scales_list[slot] = float(scale)
 
 
+@dataclass
+class LoRAStack:
+    """One projection's slot buffers for all L layers in one allocation, so an adapter is written into
+    (or cleared from) every layer's slot with a few tensor copies instead of a few per layer.
+
+    A: [L, S, R, H_in]; B: [L, S, H_out, R]; ranks, scales: [L, V]; on CPU also AT [L, S, H_in, R] and
+    BT [L, S, R, H_out]. `layers[l]` is layer l's `LoRAWeights`, whose tensors are views of these
+    (what the kernels read, one layer at a time). `rows[v]` is how many rank rows the last write at
+    virtual slot v filled in every layer (the rows the next write zeroes); write a stack's slots
+    through `set_slot` here, not through its layers' own `LoRAWeights.set_slot`.
+    """
+
+    A: torch.Tensor
+    B: torch.Tensor
+    ranks: torch.Tensor
+    scales: torch.Tensor
+    AT: torch.Tensor | None
+    BT: torch.Tensor | None
+    layers: list[LoRAWeights]
+    rows: list[int]
+
+    @classmethod
+    def empty(cls, num_layers: int, num_slots: int, max_rank: int, in_features: int, out_features: int,
+              dtype: torch.dtype, device: torch.device | str, page: int = 0) -> LoRAStack:
+        """Zeroed buffers of `num_layers` layers (see `LoRAWeights.empty` for the other arguments)."""
+        page = page or max_rank
+        num_virtual = num_slots * max_rank // page
+        on_cpu = torch.device(device).type == "cpu"
+        A = torch.zeros(num_layers, num_slots, max_rank, in_features, dtype=dtype, device=device)
+        B = torch.zeros(num_layers, num_slots, out_features, max_rank, dtype=dtype, device=device)
+        ranks = torch.zeros(num_layers, num_virtual, dtype=torch.int32, device=device)
+        scales = torch.zeros(num_layers, num_virtual, dtype=torch.float32, device=device)
+        AT = torch.zeros(num_layers, num_slots, in_features, max_rank, dtype=dtype) if on_cpu else None
+        BT = torch.zeros(num_layers, num_slots, max_rank, out_features, dtype=dtype) if on_cpu else None
+        layers = [LoRAWeights(A=A[i], B=B[i], ranks=ranks[i], scales=scales[i], ranks_list=[0] * num_virtual,
+                              scales_list=[0.0] * num_virtual, page=page,
+                              AT=None if AT is None else AT[i], BT=None if BT is None else BT[i])
+                  for i in range(num_layers)]
+        return cls(A, B, ranks, scales, AT, BT, layers, [0] * num_virtual)
+
+    def set_slot(self, slot: int, A: torch.Tensor | None, B: torch.Tensor | None, ranks: Sequence[int] = (),
+                 scales: Sequence[float] = ()) -> None:
+        """Write one adapter at virtual slot `slot` of every layer: A [L, r, H_in], B [L, H_out, r] (zero
+        past each layer's own rank), `ranks` and `scales` per layer (0 for a layer it leaves alone);
+        A None clears the slot. Zeroes the rows the previous write there filled first. Raises ValueError
+        when the weights do not fit the buffers or run past the end of the physical slot."""
+        layer0 = self.layers[0]
+        for w in self.layers:
+            w.version += 1  # invalidates weights cached for the packed path
+        if not 0 <= slot < layer0.num_virtual_slots:
+            raise ValueError(f"virtual slot {slot} out of range [0, {layer0.num_virtual_slots})")
+        phys, row = layer0.locate(slot)
+        old = self.rows[slot]
+        if old:
+            self.A[:, phys, row:row + old].zero_()
+            self.B[:, phys, :, row:row + old].zero_()
+            if self.AT is not None:
+                self.AT[:, phys, :, row:row + old].zero_()
+                self.BT[:, phys, row:row + old].zero_()
+        num_layers = len(self.layers)
+        if A is None:
+            r, ranks, scales = 0, [0] * num_layers, [0.0] * num_layers
+        else:
+            r = A.shape[1]
+            if (row + r > self.A.shape[2] or tuple(A.shape) != (num_layers, r, self.A.shape[3])
+                    or tuple(B.shape) != (num_layers, self.B.shape[2], r) or len(ranks) != num_layers
+                    or len(scales) != num_layers):
+                raise ValueError(f"adapter weights A{tuple(A.shape)} B{tuple(B.shape)} with {len(ranks)} ranks do "
+                                 f"not fit slot buffers of {num_layers} layers, max rank {self.A.shape[2]}, "
+                                 f"H_in {self.A.shape[3]}, H_out {self.B.shape[2]} at rank row {row}")
+            self.rows[slot] = r  # before the copies: if one fails, a later clear zeroes these rows
+            self.A[:, phys, row:row + r].copy_(A)
+            self.B[:, phys, :, row:row + r].copy_(B)
+            if self.AT is not None:
+                self.AT[:, phys, :, row:row + r].copy_(A.transpose(1, 2))
+                scale = torch.tensor(scales, dtype=torch.float32)[:, None, None]
+                self.BT[:, phys, row:row + r].copy_((B.float() * scale).transpose(1, 2))
+        self.rows[slot] = r
+        self.ranks[:, slot] = torch.tensor(ranks, dtype=torch.int32)
+        self.scales[:, slot] = torch.tensor(scales, dtype=torch.float32)
+        for w, rank, scale in zip(self.layers, ranks, scales, strict=True):
+            w.ranks_list[slot] = rank
+            w.scales_list[slot] = float(scale)
+
+
 def set_backend(name: str) -> None:
     """Force a backend for every later `add_lora` call ("auto" restores the choice). ValueError if unknown."""
     global _backend

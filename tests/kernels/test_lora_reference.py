@@ -180,3 +180,51 @@ def test_bgmv_without_slot_ranks_is_refused():
     meta = build_lora_meta(case.slot_ids, DEVICE)
     with pytest.raises(ValueError, match="slot_ranks"):
         add_lora_bgmv(case.y.clone(), case.x, case.slices, meta, case.offsets)
+
+
+def _buffers(w: LoRAWeights) -> list:
+    return [w.A, w.B, w.AT, w.BT, w.ranks, w.scales, w.ranks_list, w.scales_list]
+
+
+def test_stack_writes_every_layer_as_per_layer_writes_would():
+    """LoRAStack.set_slot (all layers in one copy per buffer) leaves each layer's buffers, mirrors,
+    ranks and scales exactly as LoRAWeights.set_slot layer by layer, including a layer the adapter
+    leaves alone and a layer of lower rank (rank_pattern); a smaller adapter written over a larger one
+    and a clear zero the previous rows."""
+    from loraplex.kernels import LoRAStack
+
+    gen = torch.Generator().manual_seed(21)
+    L, S, R, H_in, H_out, page = 3, 2, 16, 12, 10, 4
+    stack = LoRAStack.empty(L, S, R, H_in, H_out, torch.bfloat16, "cpu", page=page)
+    singles = [LoRAWeights.empty(S, R, H_in, H_out, torch.bfloat16, "cpu", page=page) for _ in range(L)]
+
+    def write(slot, r, ranks, scales):
+        A = torch.randn(L, r, H_in, generator=gen)
+        B = torch.randn(L, H_out, r, generator=gen)
+        for layer, rank in enumerate(ranks):  # the loader's zero padding past each layer's rank
+            A[layer, rank:] = 0
+            B[layer, :, rank:] = 0
+        stack.set_slot(slot, A, B, ranks, scales)
+        for layer, (w, rank, scale) in enumerate(zip(singles, ranks, scales, strict=True)):
+            w.set_slot(slot, A[layer, :rank] if rank else None, B[layer, :, :rank] if rank else None, scale)
+
+    def check():
+        for layer, w in enumerate(singles):
+            for got, want in zip(_buffers(stack.layers[layer]), _buffers(w), strict=True):
+                assert torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want
+
+    write(1, 8, [8, 0, 4], [2.0, 0.0, 0.5])  # virtual slot 1: rows 4..11 of physical slot 0
+    write(4, 16, [16, 16, 16], [1.0, 1.0, 1.0])  # physical slot 1, whole
+    check()
+    write(4, 4, [4, 4, 4], [3.0, 3.0, 3.0])  # smaller adapter over the larger one: rows 4..15 zeroed
+    check()
+    assert not stack.A[:, 1, 4:].any() and not stack.BT[:, 1, 4:].any()
+    stack.set_slot(1, None, None)
+    for w in singles:
+        w.set_slot(1, None, None, 0.0)
+    check()
+    assert not stack.A[:, 0].any() and not stack.AT[:, 0].any() and stack.rows == [0, 0, 0, 0, 4, 0, 0, 0]
+    with pytest.raises(ValueError, match="do not fit slot buffers of 3 layers, max rank 16"):
+        stack.set_slot(3, torch.zeros(L, 8, H_in), torch.zeros(L, H_out, 8), [8] * L, [1.0] * L)  # rows 12..19
+    with pytest.raises(ValueError, match="do not fit"):
+        stack.set_slot(0, torch.zeros(L - 1, 4, H_in), torch.zeros(L - 1, H_out, 4), [4] * 2, [1.0] * 2)
