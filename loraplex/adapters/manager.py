@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -57,6 +58,22 @@ def _percentile(values, q: float) -> float | None:
         return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _one_torch_thread() -> None:
+    """Initializer of the load thread: its torch ops run on one core.
+
+    The loads' stacking and checks are large enough for torch to split them over every core, and an
+    OpenMP team in this thread next to the engine's oversubscribes the CPU: on the 2-core paging
+    benchmark that cost the whole run a quarter of its throughput (0.76 -> 0.53 of base-only).
+    `torch.set_num_threads` sets the calling thread's count but also the default that threads started
+    later take on their first torch op, so a throwaway thread puts that default back.
+    """
+    default = torch.get_num_threads()  # first call in this thread: takes the process-wide default
+    torch.set_num_threads(1)
+    restore = threading.Thread(target=torch.set_num_threads, args=(default,))
+    restore.start()
+    restore.join()
 
 
 class AdapterManager:
@@ -103,7 +120,9 @@ class AdapterManager:
         self._epoch: dict[str, int] = {}
         self._epochs = itertools.count()
         self._ticks = itertools.count()
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-adapter-load")
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-adapter-load",
+                                          initializer=_one_torch_thread)
+        self._loader.submit(int).result()  # start it now, before any other thread takes its torch threads
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.stats = {tier: {"hits": 0, "misses": 0, "evictions": 0, "load_s": deque(maxlen=1024)}
                       for tier in ("gpu", "cpu")}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import random
+import threading
 import time
 
 import pytest
@@ -326,3 +327,17 @@ def test_evicted_and_unloaded_adapters_leave_zero_rows(tmp_path):
     for w in buffers:
         assert not (w.A.any() or w.B.any() or w.AT.any() or w.BT.any() or w.ranks.any() or w.scales.any())
     assert not any(mgr.owner) and mgr.adapter_stats()["tiers"]["gpu"]["used"] == 0
+
+
+def test_load_thread_uses_one_torch_thread_and_leaves_the_others_alone():
+    """The background loads run single-threaded (an OpenMP team of their own next to the engine's
+    oversubscribes the cores); the caller and threads started later keep torch's thread count."""
+    before = torch.get_num_threads()
+    mgr = LLM("tiny-llama", load_format="dummy", dtype="float32", kv_cache_memory=1 << 20).engine.adapters
+    assert mgr._loader.submit(torch.get_num_threads).result() == 1
+    assert torch.get_num_threads() == before
+    later = []
+    t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert later == [before]
