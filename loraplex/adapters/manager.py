@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from loraplex.adapters.peft import AdapterError, LoRAAdapter, load_peft_adapter, validate_peft_adapter
-from loraplex.engine.config import LORA_PAGE_ROWS, LORA_TARGET_MODULES, EngineConfig, ModelConfig
+from loraplex.engine.config import LORA_FUSED_GROUPS, LORA_PAGE_ROWS, EngineConfig, ModelConfig
 from loraplex.kernels import LoRAStack, LoRAWeights
 
 logger = logging.getLogger(__name__)
@@ -96,11 +96,13 @@ class AdapterManager:
         self.device = torch.device(device)
         # stacks[module]: every layer's slot buffers of a targetable projection in one allocation;
         # buffers[layer][module]: layer `layer`'s views of them, what the model's LoRA ops read.
-        self.stacks: dict[str, LoRAStack] = {
-            m: LoRAStack.empty(model_cfg.num_hidden_layers, self.num_slots, self.max_lora_rank,
-                               *model_cfg.lora_module_shape(m), dtype, device, page=self.page)
-            for m in LORA_TARGET_MODULES
-        }
+        self.stacks: dict[str, LoRAStack] = {}
+        for group in LORA_FUSED_GROUPS:
+            h_in = model_cfg.lora_module_shape(group[0])[0]
+            outs = [model_cfg.lora_module_shape(m)[1] for m in group]
+            self.stacks.update(zip(group, LoRAStack.empty_group(model_cfg.num_hidden_layers, self.num_slots,
+                                                                self.max_lora_rank, h_in, outs, dtype, device,
+                                                                page=self.page), strict=True))
         self.buffers: list[dict[str, LoRAWeights]] = [
             {m: stack.layers[layer] for m, stack in self.stacks.items()}
             for layer in range(model_cfg.num_hidden_layers)

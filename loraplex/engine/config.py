@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 # Projections that LoRA may target, in the order the model applies them. Embeddings and lm_head
 # are never targets (refused by the adapter validator).
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The same, grouped as the model's fused projections take them (one `add_lora` call each, slices in
+# this order): the slices of a group share the CPU shrink mirror (`LoRAWeights.empty_group`).
+LORA_FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 # Rank rows per page of the adapter slot tier (S-LoRA's unified paging): an adapter of rank r takes
 # ceil(r / 8) pages (rounded up to a power of two), not a whole max-rank slot. 8 is PEFT's default r

@@ -66,9 +66,12 @@ class LoRAWeights:
     max rank R hold S x R / 8 rank-8 adapters. The slot ids of `LoRAMeta` are virtual slots.
 
     ranks: [V] int32, scales: [V] fp32 on the buffers' device; host copies in `ranks_list` and
-    `scales_list`. Rows no adapter owns hold zeros. On CPU, `AT` [S, H_in, R] and `BT` [S, R, H_out]
-    mirror A and B transposed, BT scaled by each adapter's scale: the tables the CPU gather path
-    (`add_lora_bgmv`) reads.
+    `scales_list`; `live` the virtual slots holding an adapter of rank > 0 here. Rows no adapter owns
+    hold zeros. On CPU, `BT` [S, R, H_out] mirrors B transposed and scaled by each adapter's scale, and
+    `AT` [S, H_in, P, W] (P = R / page pages per physical slot) mirrors A transposed: page p of slot
+    s is AT[s, :, p, at_col:at_col + page]. The slices of one fused projection (q, k, v; gate, up)
+    share one AT with W = k x page, their pages side by side (`empty_group`), so one gather shrinks
+    all k slices; alone, W = page. These are the tables the CPU gather path (`add_lora_bgmv`) reads.
     """
 
     A: torch.Tensor
@@ -82,6 +85,8 @@ class LoRAWeights:
     page: int = 0  # rank rows per virtual slot; 0 means R
     AT: torch.Tensor | None = field(default=None, repr=False)
     BT: torch.Tensor | None = field(default=None, repr=False)
+    at_col: int = 0
+    live: set[int] = field(default_factory=set)
 
     def __post_init__(self):
         if not self.page:
@@ -94,20 +99,15 @@ class LoRAWeights:
               dtype: torch.dtype, device: torch.device | str, page: int = 0) -> LoRAWeights:
         """Zeroed buffers for `num_slots` physical slots of rank up to `max_rank`, in virtual slots of
         `page` rows (0: one per physical slot). The CPU mirrors are allocated on a CPU device."""
-        page = page or max_rank
-        num_virtual = num_slots * max_rank // page
-        on_cpu = torch.device(device).type == "cpu"
-        return cls(
-            A=torch.zeros(num_slots, max_rank, in_features, dtype=dtype, device=device),
-            B=torch.zeros(num_slots, out_features, max_rank, dtype=dtype, device=device),
-            ranks=torch.zeros(num_virtual, dtype=torch.int32, device=device),
-            scales=torch.zeros(num_virtual, dtype=torch.float32, device=device),
-            ranks_list=[0] * num_virtual,
-            scales_list=[0.0] * num_virtual,
-            page=page,
-            AT=torch.zeros(num_slots, in_features, max_rank, dtype=dtype) if on_cpu else None,
-            BT=torch.zeros(num_slots, max_rank, out_features, dtype=dtype) if on_cpu else None,
-        )
+        return cls.empty_group(num_slots, max_rank, in_features, [out_features], dtype, device, page)[0]
+
+    @classmethod
+    def empty_group(cls, num_slots: int, max_rank: int, in_features: int, out_features: Sequence[int],
+                    dtype: torch.dtype, device: torch.device | str, page: int = 0) -> list[LoRAWeights]:
+        """`empty` buffers for the k slices of one fused projection (one per entry of `out_features`),
+        sharing one CPU shrink mirror `AT` [S, H_in, P, k x page]."""
+        stacks = LoRAStack.empty_group(1, num_slots, max_rank, in_features, out_features, dtype, device, page)
+        return [stack.layers[0] for stack in stacks]
 
     @property
     def num_virtual_slots(self) -> int:
@@ -143,7 +143,7 @@ class LoRAWeights:
         self.A[phys, row:row + old].zero_()
         self.B[phys, :, row:row + old].zero_()
         if self.AT is not None:
-            self.AT[phys, :, row:row + old].zero_()
+            _at_pages(self.AT[phys], row, old, self.page, self.at_col).zero_()
             self.BT[phys, row:row + old].zero_()
         if A is None:
             r, scale = 0, 0.0
@@ -156,12 +156,30 @@ class LoRAWeights:
             self.A[phys, row:row + r].copy_(A)
             self.B[phys, :, row:row + r].copy_(B)
             if self.AT is not None:
-                self.AT[phys, :, row:row + r].copy_(A.T)
+                _at_pages(self.AT[phys], row, r, self.page, self.at_col).copy_(_as_pages(A.T, self.page))
                 self.BT[phys, row:row + r].copy_((B.float() * scale).T)
         self.ranks[slot] = r
         self.scales[slot] = scale
         self.ranks_list[slot] = r
         self.scales_list[slot] = float(scale)
+        (self.live.add if r else self.live.discard)(slot)
+
+
+def _at_pages(at: torch.Tensor, row: int, r: int, page: int, col: int) -> torch.Tensor:
+    """[..., H_in, n, page] view of the shrink mirror `at` [..., H_in, P, W] (one physical slot, any
+    leading dims): the n = ceil(r / page) pages from rank row `row` (a multiple of page), at columns
+    col .. col + page."""
+    first = row // page
+    return at[..., first:first - (-r // page), col:col + page]
+
+
+def _as_pages(at: torch.Tensor, page: int) -> torch.Tensor:
+    """[..., H_in, r] -> [..., H_in, n, page], zero-padded to n = ceil(r / page) whole pages."""
+    r = at.shape[-1]
+    pad = -r % page
+    if pad:
+        at = torch.cat([at, at.new_zeros(*at.shape[:-1], pad)], -1)
+    return at.unflatten(-1, (-1, page))
 
 
 @dataclass
@@ -169,7 +187,8 @@ class LoRAStack:
     """One projection's slot buffers for all L layers in one allocation, so an adapter is written into
     (or cleared from) every layer's slot with a few tensor copies instead of a few per layer.
 
-    A: [L, S, R, H_in]; B: [L, S, H_out, R]; ranks, scales: [L, V]; on CPU also AT [L, S, H_in, R] and
+    A: [L, S, R, H_in]; B: [L, S, H_out, R]; ranks, scales: [L, V]; on CPU also AT [L, S, H_in, P, W]
+    (shared by the slices of one fused projection, this one's pages at columns at_col .. + page) and
     BT [L, S, R, H_out]. `layers[l]` is layer l's `LoRAWeights`, whose tensors are views of these
     (what the kernels read, one layer at a time). `rows[v]` is how many rank rows the last write at
     virtual slot v filled in every layer (the rows the next write zeroes); write a stack's slots
@@ -184,25 +203,40 @@ class LoRAStack:
     BT: torch.Tensor | None
     layers: list[LoRAWeights]
     rows: list[int]
+    at_col: int = 0
 
     @classmethod
     def empty(cls, num_layers: int, num_slots: int, max_rank: int, in_features: int, out_features: int,
               dtype: torch.dtype, device: torch.device | str, page: int = 0) -> LoRAStack:
         """Zeroed buffers of `num_layers` layers (see `LoRAWeights.empty` for the other arguments)."""
+        return cls.empty_group(num_layers, num_slots, max_rank, in_features, [out_features], dtype, device,
+                               page)[0]
+
+    @classmethod
+    def empty_group(cls, num_layers: int, num_slots: int, max_rank: int, in_features: int,
+                    out_features: Sequence[int], dtype: torch.dtype, device: torch.device | str,
+                    page: int = 0) -> list[LoRAStack]:
+        """One stack per slice of a fused projection (k = len(out_features)), sharing one CPU shrink
+        mirror AT [L, S, H_in, P, k x page]."""
         page = page or max_rank
         num_virtual = num_slots * max_rank // page
         on_cpu = torch.device(device).type == "cpu"
-        A = torch.zeros(num_layers, num_slots, max_rank, in_features, dtype=dtype, device=device)
-        B = torch.zeros(num_layers, num_slots, out_features, max_rank, dtype=dtype, device=device)
-        ranks = torch.zeros(num_layers, num_virtual, dtype=torch.int32, device=device)
-        scales = torch.zeros(num_layers, num_virtual, dtype=torch.float32, device=device)
-        AT = torch.zeros(num_layers, num_slots, in_features, max_rank, dtype=dtype) if on_cpu else None
-        BT = torch.zeros(num_layers, num_slots, max_rank, out_features, dtype=dtype) if on_cpu else None
-        layers = [LoRAWeights(A=A[i], B=B[i], ranks=ranks[i], scales=scales[i], ranks_list=[0] * num_virtual,
-                              scales_list=[0.0] * num_virtual, page=page,
-                              AT=None if AT is None else AT[i], BT=None if BT is None else BT[i])
-                  for i in range(num_layers)]
-        return cls(A, B, ranks, scales, AT, BT, layers, [0] * num_virtual)
+        k = len(out_features)
+        AT = (torch.zeros(num_layers, num_slots, in_features, max_rank // page, k * page, dtype=dtype)
+              if on_cpu else None)
+        stacks = []
+        for i, h_out in enumerate(out_features):
+            A = torch.zeros(num_layers, num_slots, max_rank, in_features, dtype=dtype, device=device)
+            B = torch.zeros(num_layers, num_slots, h_out, max_rank, dtype=dtype, device=device)
+            ranks = torch.zeros(num_layers, num_virtual, dtype=torch.int32, device=device)
+            scales = torch.zeros(num_layers, num_virtual, dtype=torch.float32, device=device)
+            BT = torch.zeros(num_layers, num_slots, max_rank, h_out, dtype=dtype) if on_cpu else None
+            layers = [LoRAWeights(A=A[j], B=B[j], ranks=ranks[j], scales=scales[j], ranks_list=[0] * num_virtual,
+                                  scales_list=[0.0] * num_virtual, page=page, AT=None if AT is None else AT[j],
+                                  BT=None if BT is None else BT[j], at_col=i * page)
+                      for j in range(num_layers)]
+            stacks.append(cls(A, B, ranks, scales, AT, BT, layers, [0] * num_virtual, i * page))
+        return stacks
 
     def set_slot(self, slot: int, A: torch.Tensor | None, B: torch.Tensor | None, ranks: Sequence[int] = (),
                  scales: Sequence[float] = ()) -> None:
@@ -221,7 +255,7 @@ class LoRAStack:
             self.A[:, phys, row:row + old].zero_()
             self.B[:, phys, :, row:row + old].zero_()
             if self.AT is not None:
-                self.AT[:, phys, :, row:row + old].zero_()
+                _at_pages(self.AT[:, phys], row, old, layer0.page, self.at_col).zero_()
                 self.BT[:, phys, row:row + old].zero_()
         num_layers = len(self.layers)
         if A is None:
@@ -238,7 +272,8 @@ class LoRAStack:
             self.A[:, phys, row:row + r].copy_(A)
             self.B[:, phys, :, row:row + r].copy_(B)
             if self.AT is not None:
-                self.AT[:, phys, :, row:row + r].copy_(A.transpose(1, 2))
+                _at_pages(self.AT[:, phys], row, r, layer0.page, self.at_col).copy_(
+                    _as_pages(A.transpose(1, 2), layer0.page))
                 scale = torch.tensor(scales, dtype=torch.float32)[:, None, None]
                 self.BT[:, phys, row:row + r].copy_((B.float() * scale).transpose(1, 2))
         self.rows[slot] = r
@@ -247,6 +282,7 @@ class LoRAStack:
         for w, rank, scale in zip(self.layers, ranks, scales, strict=True):
             w.ranks_list[slot] = rank
             w.scales_list[slot] = float(scale)
+            (w.live.add if rank else w.live.discard)(slot)
 
 
 def set_backend(name: str) -> None:
@@ -296,7 +332,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, slices: Sequence[LoRAWeights], me
     """
     if not meta.has_lora:
         return y
-    if not any(w.ranks_list[s] for w in slices for s in meta.seg_slots_list):
+    if all(w.live.isdisjoint(meta.seg_slots_list) for w in slices):
         return y  # no adapter in this step targets this projection (e.g. q/k/v/o-only adapters on the MLP)
     if offsets is None:
         offsets, off = [], 0

@@ -176,12 +176,14 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
     """CPU path for many distinct adapters (BGMV's per-row gather, Punica), on `embedding_bag`.
 
     Each row reads only its own adapter's weights, straight from the slot buffers' CPU mirrors (no
-    copy of them, no FLOPs on other adapters' columns). Shrink: with AT viewed as a table of rows
-    (physical slot, h, page) of `page` rank values, row t's page j is the sum over h of
-    x[t, h] * AT[slot_t, h, page_t + j]: one bag of H_in table rows weighted by x[t]. Expand: row t's
+    copy of them, no FLOPs on other adapters' columns). Shrink: with AT [S, H_in, P, W] viewed as a
+    table of rows (physical slot, h, page) of W values, row t's page j is the sum over h of
+    x[t, h] * AT[slot_t, h, page_t + j]: one bag of H_in table rows weighted by x[t]. The slices of a
+    fused projection share AT (W = k x page), so that one gather shrinks all of them. Expand: row t's
     delta is the sum over its rank rows j of v[t, j] * BT[j-th rank row of its slot] (BT holds
-    scale * B.T): one bag of r_t table rows weighted by v[t]. Two `embedding_bag` calls per slice,
-    whatever the number of adapters; maths in x.dtype with fp32 accumulation inside the op.
+    scale * B.T): one bag of r_t table rows weighted by v[t]. One `embedding_bag` per shrink mirror
+    and one per slice, whatever the number of adapters; maths in x.dtype with fp32 accumulation inside
+    the op.
 
     Needs the mirrors (`LoRAWeights.empty` on CPU) and `meta.slot_ranks`. Rows without an adapter
     are neither read nor written.
@@ -189,18 +191,22 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
     if meta.slot_ranks is None:
         raise ValueError("the bgmv path needs meta.slot_ranks (build_lora_meta(..., slot_ranks=...))")
     plan = _bgmv_plan(meta, slices[0])
-    rows = plan["rows"]
+    rows, n_max = plan["rows"], plan["n_max"]
     xs = x if rows is None else x.index_select(0, rows)  # [T_a, H_in]
     h_in = x.shape[1]
     s_idx, s_off, s_valid = _bgmv_shrink_index(plan, slices[0], h_in)
-    xw = xs.unsqueeze(1).expand(-1, plan["n_max"], -1)  # [T_a, n_max, H_in]
+    xw = xs.unsqueeze(1).expand(-1, n_max, -1)  # [T_a, n_max, H_in]
     xw = xw.reshape(-1) if s_valid is None else xw[s_valid].reshape(-1)
+    shrunk: dict[int, torch.Tensor] = {}  # AT's data_ptr (each slice holds its own view) -> [T_a, n_max, W]
     for w, off in zip(slices, offsets, strict=True):
-        if not any(w.ranks_list[s] for s in meta.seg_slots_list):
+        if w.live.isdisjoint(meta.seg_slots_list):
             continue  # no adapter of this step touches this slice
-        table = w.AT.view(-1, w.page)  # rows (physical slot, h, page) of `page` rank values
-        v = F.embedding_bag(s_idx, table, s_off, mode="sum", per_sample_weights=xw)  # [T_a n_max, page]
-        v = v.view(xs.shape[0], -1)  # [T_a, n_max page]
+        v = shrunk.get(w.AT.data_ptr())
+        if v is None:
+            table = w.AT.view(-1, w.AT.shape[-1])  # rows (physical slot, h, page) of W rank values
+            v = F.embedding_bag(s_idx, table, s_off, mode="sum", per_sample_weights=xw)  # [T_a n_max, W]
+            v = shrunk[w.AT.data_ptr()] = v.view(xs.shape[0], n_max, -1)
+        v = v[:, :, w.at_col:w.at_col + w.page].reshape(xs.shape[0], -1)  # [T_a, n_max page]
         vw = v.reshape(-1) if plan["e_valid"] is None else v[plan["e_valid"]]
         delta = F.embedding_bag(plan["e_idx"], w.BT.view(-1, w.BT.shape[2]), plan["e_off"], mode="sum",
                                 per_sample_weights=vw)  # [T_a, H_out]

@@ -92,7 +92,7 @@ def make_slot_ids(popularity: str, num_tokens: int, num_adapters: int, gen: torc
 
 def make_slices(h_in: int, h_outs: list[int], dtype: torch.dtype, gen: torch.Generator, padding: str,
                 rank_shift: int = 0, page: int = 0) -> list[LoRAWeights]:
-    """One LoRAWeights per output width; slot s of slice i has rank RANKS[(s + i + rank_shift) % 4].
+    """One LoRAWeights per output width, the slices of one fused projection; slot s of slice i has rank RANKS[(s + i + rank_shift) % 4].
 
     page: 0 (one adapter per physical slot, slot s = physical slot s) or the rank rows per virtual
     slot: then the k-th adapter of `paged_layout(page)` sits at its virtual slot with rank
@@ -101,8 +101,8 @@ def make_slices(h_in: int, h_outs: list[int], dtype: torch.dtype, gen: torch.Gen
     adapter owns (beyond an adapter's rank, and pages of no adapter) is NaN.
     """
     slices = []
-    for i, h_out in enumerate(h_outs):
-        w = LoRAWeights.empty(NUM_SLOTS, MAX_RANK, h_in, h_out, dtype, DEVICE, page=page)
+    group = LoRAWeights.empty_group(NUM_SLOTS, MAX_RANK, h_in, h_outs, dtype, DEVICE, page=page)  # shared AT
+    for i, (h_out, w) in enumerate(zip(h_outs, group, strict=True)):
         layout = [(s, MAX_RANK) for s in range(NUM_SLOTS)] if not page else paged_layout(page)
         for k, (s, capacity) in enumerate(layout):
             r = min(capacity, RANKS[(k + i + rank_shift) % len(RANKS)])
