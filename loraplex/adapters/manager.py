@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from loraplex.adapters.peft import AdapterError, LoRAAdapter, load_peft_adapter, validate_peft_adapter
+from loraplex.adapters.peft import AdapterError, LoRAAdapter, ReadPlan, load_peft_adapter, read_planned
 from loraplex.engine.config import LORA_FUSED_GROUPS, LORA_PAGE_ROWS, EngineConfig, ModelConfig
 from loraplex.kernels import LoRAStack, LoRAWeights
 
@@ -108,6 +108,7 @@ class AdapterManager:
             for layer in range(model_cfg.num_hidden_layers)
         ]
         self.registry: dict[str, Path] = {}  # disk tier
+        self.plans: dict[str, ReadPlan | None] = {}  # how to read each registered adapter without parsing
         self.cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
         self.loading: dict[str, tuple[Future, int]] = {}  # disk -> CPU in flight, with registration epoch
         self.failed: dict[str, str] = {}  # adapters whose load failed, with the reason
@@ -137,8 +138,9 @@ class AdapterManager:
         """
         if name in self.registry:
             raise ValueError(f"adapter {name!r} is already loaded; unload it first")
-        validate_peft_adapter(path, self.model_cfg, max_lora_rank=self.max_lora_rank)
+        adapter = load_peft_adapter(path, self.model_cfg, max_lora_rank=self.max_lora_rank)  # every check
         self.registry[name] = Path(path)
+        self.plans[name] = adapter.plan  # its tensors are dropped; loads read the file again by this plan
         self._epoch[name] = next(self._epochs)
         self.failed.pop(name, None)
 
@@ -157,7 +159,7 @@ class AdapterManager:
         future = self.loading.pop(name, None)
         if future is not None:
             future[0].cancel()
-        del self.registry[name], self._epoch[name]
+        del self.registry[name], self._epoch[name], self.plans[name]
         self.failed.pop(name, None)
 
     def __contains__(self, name: str) -> bool:
@@ -198,13 +200,18 @@ class AdapterManager:
             del self.cpu[victim]
             self.stats["cpu"]["evictions"] += 1
         self.stats["cpu"]["misses"] += 1
-        self.loading[name] = (self._loader.submit(self._read, name, self.registry[name]), self._epoch[name])
+        self.loading[name] = (self._loader.submit(self._read, name, self.registry[name], self.plans[name]),
+                              self._epoch[name])
         return False
 
-    def _read(self, name: str, path: Path) -> tuple[LoRAAdapter, float]:
+    def _read(self, name: str, path: Path, plan: ReadPlan | None = None) -> tuple[LoRAAdapter, float]:
+        """Load `name` from disk (on the load thread): by its read plan while the file is the one
+        registered, else through every check again. Returns (adapter, seconds)."""
         start = time.perf_counter()
-        adapter = load_peft_adapter(path, self.model_cfg, max_lora_rank=self.max_lora_rank, name=name,
-                                    dtype=self.dtype)
+        adapter = None if plan is None else read_planned(plan, name, self.dtype)
+        if adapter is None:
+            adapter = load_peft_adapter(path, self.model_cfg, max_lora_rank=self.max_lora_rank, name=name,
+                                        dtype=self.dtype)
         if self.device.type == "cuda":
             for m in adapter.stacked.values():  # (adapter.modules keep views of the unpinned copies)
                 m.A, m.B = m.A.pin_memory(), m.B.pin_memory()

@@ -531,3 +531,38 @@ def test_file_mixing_dtypes_loads_each_tensor(make_adapter, model_config):
     edit_tensors(path, lambda t: t[key].view(-1).__setitem__(3, float("nan")))
     with pytest.raises(AdapterError, match=f"{key}': 1 NaN/Inf"):
         load(path, model_config)
+
+
+def test_read_plan_reads_the_same_adapter_without_parsing(make_adapter, model_config):
+    """A later load by the plan gives the same tensors, ranks, scalings and config as a full load, in
+    each engine dtype; a file rewritten since (new identity) or holding values the dtype cannot hold
+    gets None, so the caller goes through every check again."""
+    from loraplex.adapters.peft import read_planned
+
+    path, _ = make_adapter(target_modules="all-linear", lora_alpha=16)
+    plan = load(path, model_config).plan
+    assert plan is not None
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        full, fast = load(path, model_config, dtype=dtype), read_planned(plan, "again", dtype)
+        assert fast.name == "again" and (fast.path, fast.config, fast.rank) == (full.path, full.config, full.rank)
+        assert set(fast.stacked) == set(full.stacked)
+        for m, s in full.stacked.items():
+            got = fast.stacked[m]
+            assert torch.equal(got.A, s.A) and torch.equal(got.B, s.B) and got.A.dtype == dtype
+            assert (got.ranks, got.scalings) == (s.ranks, s.scalings)
+        assert fast.modules.keys() == full.modules.keys()
+
+    key = f"{Q0}.lora_A.weight"
+    time.sleep(0.01)  # a distinct mtime even on coarse clocks
+    edit_tensors(path, lambda t: t[key].view(-1).__setitem__(0, 1e6))
+    assert read_planned(plan, "again", torch.float32) is None  # not the file that was validated
+    plan = load(path, model_config).plan
+    assert read_planned(plan, "again", torch.float32).modules[(0, "q_proj")].A.view(-1)[0] == 1e6
+    assert read_planned(plan, "again", torch.float16) is None  # 1e6 overflows float16: the full load says so
+
+
+def test_no_read_plan_for_per_layer_ranks(make_adapter, model_config):
+    path, _ = make_adapter(target_modules=["q_proj", "v_proj"], rank_pattern={"layers.1.self_attn.q_proj": 2})
+    assert load(path, model_config).plan is None
+    path, _ = make_adapter("b", target_modules=["q_proj"], layers_to_transform=[1])
+    assert load(path, model_config).plan is None
