@@ -87,6 +87,7 @@ class LoRAWeights:
     BT: torch.Tensor | None = field(default=None, repr=False)
     at_col: int = 0
     live: set[int] = field(default_factory=set)
+    _tables: tuple | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if not self.page:
@@ -108,6 +109,13 @@ class LoRAWeights:
         sharing one CPU shrink mirror `AT` [S, H_in, P, k x page]."""
         stacks = LoRAStack.empty_group(1, num_slots, max_rank, in_features, out_features, dtype, device, page)
         return [stack.layers[0] for stack in stacks]
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CPU mirrors as the gather path's tables (views, made once): AT as rows (physical slot,
+        h, page) of W values, [S H_in P, W]; BT as rank rows, [S R, H_out]."""
+        if self._tables is None:
+            self._tables = (self.AT.view(-1, self.AT.shape[-1]), self.BT.view(-1, self.BT.shape[-1]))
+        return self._tables
 
     @property
     def num_virtual_slots(self) -> int:
@@ -300,7 +308,9 @@ def _pick_backend(x: torch.Tensor, meta: LoRAMeta, slices: Sequence[LoRAWeights]
         return "triton"
     if meta.slot_ranks is None:
         return "segmented"
-    n = sum(meta.slot_ranks[s] for s in meta.seg_slots_list)
+    if meta._active_ranks is None:  # every layer of the step asks: count once
+        meta._active_ranks = sum(meta.slot_ranks[s] for s in meta.seg_slots_list)
+    n = meta._active_ranks
     max_n, max_tn = PACKED_LIMITS.get(x.dtype, PACKED_LIMITS_16BIT)
     if n <= max_n and meta.num_tokens * n <= max_tn:
         return "packed"

@@ -44,6 +44,7 @@ class LoRAMeta:
     _packed: dict | None = None
     _bgmv: dict | None = None
     _split: tuple | None = None
+    _active_ranks: int | None = None  # N, the sum of the active slots' ranks (CPU path choice)
     _row_tiles: dict | None = None
 
     @property

@@ -195,22 +195,26 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
     xs = x if rows is None else x.index_select(0, rows)  # [T_a, H_in]
     h_in = x.shape[1]
     s_idx, s_off, s_valid = _bgmv_shrink_index(plan, slices[0], h_in)
-    xw = xs.unsqueeze(1).expand(-1, n_max, -1)  # [T_a, n_max, H_in]
-    xw = xw.reshape(-1) if s_valid is None else xw[s_valid].reshape(-1)
-    shrunk: dict[int, torch.Tensor] = {}  # AT's data_ptr (each slice holds its own view) -> [T_a, n_max, W]
+    if n_max == 1:
+        xw = xs.reshape(-1)  # [T_a H_in]
+    else:
+        xw = xs.unsqueeze(1).expand(-1, n_max, -1)  # [T_a, n_max, H_in]
+        xw = xw.reshape(-1) if s_valid is None else xw[s_valid].reshape(-1)
+    shrunk: dict[int, torch.Tensor] = {}  # AT's data_ptr (each slice holds its own view) -> [T_a, n_max W]
     for w, off in zip(slices, offsets, strict=True):
         if w.live.isdisjoint(meta.seg_slots_list):
             continue  # no adapter of this step touches this slice
-        v = shrunk.get(w.AT.data_ptr())
-        if v is None:
-            table = w.AT.view(-1, w.AT.shape[-1])  # rows (physical slot, h, page) of W rank values
-            v = F.embedding_bag(s_idx, table, s_off, mode="sum", per_sample_weights=xw)  # [T_a n_max, W]
-            v = shrunk[w.AT.data_ptr()] = v.view(xs.shape[0], n_max, -1)
-        v = v[:, :, w.at_col:w.at_col + w.page].reshape(xs.shape[0], -1)  # [T_a, n_max page]
+        at_table, bt_table = w.tables()
+        v = shrunk.get(at_table.data_ptr())
+        if v is None:  # [T_a n_max, W] -> [T_a, n_max W]
+            v = F.embedding_bag(s_idx, at_table, s_off, mode="sum", per_sample_weights=xw).view(xs.shape[0], -1)
+            shrunk[at_table.data_ptr()] = v
+        if at_table.shape[1] != w.page:  # this slice's pages among the group's: [T_a, n_max page]
+            v = v.view(xs.shape[0], n_max, -1)[:, :, w.at_col:w.at_col + w.page].reshape(xs.shape[0], -1)
         vw = v.reshape(-1) if plan["e_valid"] is None else v[plan["e_valid"]]
-        delta = F.embedding_bag(plan["e_idx"], w.BT.view(-1, w.BT.shape[2]), plan["e_off"], mode="sum",
+        delta = F.embedding_bag(plan["e_idx"], bt_table, plan["e_off"], mode="sum",
                                 per_sample_weights=vw)  # [T_a, H_out]
-        h_out = w.BT.shape[2]
+        h_out = bt_table.shape[1]
         if rows is None:
             y[:, off:off + h_out] += delta
         else:
