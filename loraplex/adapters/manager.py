@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -66,14 +65,11 @@ def _one_torch_thread() -> None:
     The loads' stacking and checks are large enough for torch to split them over every core, and an
     OpenMP team in this thread next to the engine's oversubscribes the CPU: on the 2-core paging
     benchmark that cost the whole run a quarter of its throughput (0.76 -> 0.53 of base-only).
-    `torch.set_num_threads` sets the calling thread's count but also the default that threads started
-    later take on their first torch op, so a throwaway thread puts that default back.
+    `torch.set_num_threads` sets the calling thread's count but also the default that threads take on
+    their first torch op; the constructing thread puts that default back at once (`AdapterManager`).
     """
-    default = torch.get_num_threads()  # first call in this thread: takes the process-wide default
+    torch.get_num_threads()  # this thread's first torch call: it takes the default now, not later
     torch.set_num_threads(1)
-    restore = threading.Thread(target=torch.set_num_threads, args=(default,))
-    restore.start()
-    restore.join()
 
 
 class AdapterManager:
@@ -123,9 +119,11 @@ class AdapterManager:
         self._epoch: dict[str, int] = {}
         self._epochs = itertools.count()
         self._ticks = itertools.count()
+        default_threads = torch.get_num_threads()  # this thread's count (set before the loader starts)
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-adapter-load",
                                           initializer=_one_torch_thread)
-        self._loader.submit(int).result()  # start it now, before any other thread takes its torch threads
+        self._loader.submit(int).result()  # start it now ...
+        torch.set_num_threads(default_threads)  # ... and restore the default for threads started later
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.stats = {tier: {"hits": 0, "misses": 0, "evictions": 0, "load_s": deque(maxlen=1024)}
                       for tier in ("gpu", "cpu")}

@@ -16,6 +16,7 @@ the loaders either return a complete LoRAAdapter or raise AdapterError.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -169,7 +170,7 @@ def load_peft_files(
     overflow is refused too), as views into one stacked tensor per projection (`LoRAAdapter.stacked`). Raises AdapterError naming the field or tensor at fault.
     """
     tensors_path = os.fspath(tensors_path)
-    identity = _identity(os.stat(tensors_path))  # before reading: a file changed meanwhile gets no plan
+    identity = _identity(os.stat(tensors_path))  # before the header: the data must come from this file
     path = path if path is not None else os.path.dirname(os.path.abspath(tensors_path))
     name = name if name is not None else os.path.basename(path)
     if not isinstance(config, dict):
@@ -212,7 +213,7 @@ def load_peft_files(
         _check_shapes(config, module_name, module, spec, keys, header, model_config)
 
     try:
-        stacked = _read_stacked(tensors_path, header, found, specs, model_config, dtype)
+        stacked = _read_stacked(tensors_path, identity, header, found, specs, model_config, dtype)
     except AdapterError:
         raise
     except Exception as e:  # the header passed our checks, so this is I/O or a file changed under us
@@ -232,27 +233,32 @@ def load_peft_files(
 @dataclass(frozen=True)
 class ReadPlan:
     """How to read a validated adapter's tensors again without parsing its header and config: the
-    file's identity when it was validated (st_dev, st_ino, st_size, st_mtime_ns), where its data
-    section starts (bytes), its one safetensors dtype, every tensor's element count in file order,
-    and per projection the file-order position of each layer's A and B. Only for files of one dtype
-    whose targeted projections each have one rank on every layer (what PEFT writes without
-    rank_pattern or layers_to_transform); other adapters load through `load_peft_files` each time.
+    file's identity when it was validated (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns; the
+    last is set by the kernel on every write, so copying a timestamp back does not hide an edit),
+    where its data section starts (bytes), its one safetensors dtype, every tensor's element count in
+    file order, and per projection the file-order position of each layer's A and B; and the identity
+    of adapter_config.json it was read with (`config_path` None: a config given as a dict, not
+    checked again). Only for files of one dtype whose targeted projections each have one rank on
+    every layer (no layers_to_transform, no rank_pattern that differs between layers); other adapters
+    load through `load_peft_files` each time.
     """
 
     tensors_path: str
-    identity: tuple[int, int, int, int]
+    identity: tuple[int, ...]
     base: int
     dtype: str
     sizes: tuple[int, ...]
     positions: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
     template: LoRAAdapter  # name, path, config, rank, num_bytes and per-projection ranks and scalings
+    config_path: str | None = None
+    config_identity: tuple[int, ...] | None = None
 
 
-def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
-def _read_plan(adapter: LoRAAdapter, identity: tuple[int, int, int, int], tensors_path: str,
+def _read_plan(adapter: LoRAAdapter, identity: tuple[int, ...], tensors_path: str,
                header: dict[str, TensorInfo], found: dict[tuple[int, str], dict[str, str]], model_config: ModelConfig) -> ReadPlan | None:
     dtypes = {info.dtype for info in header.values()}
     num_layers = model_config.num_hidden_layers
@@ -285,8 +291,8 @@ def read_planned(plan: ReadPlan, name: str, dtype: torch.dtype) -> LoRAAdapter |
 
     No JSON or key parsing: one read into a reused buffer, one `aminmax` (every value finite and within
     `dtype`'s range), one conversion, and one `torch.stack` per projection and A/B. Returns None when
-    the file is not the one validated (replaced, or modified since: its identity differs), could not be
-    read, or holds values the checks refuse; the caller then loads it with `load_peft_files`, which says
+    the file or its adapter_config.json is not the one validated (replaced, or modified since or
+    while it was read: its identity differs), could not be read, or holds values the checks refuse; the caller then loads it with `load_peft_files`, which says
     what is wrong. A rank-8 q/k/v/o adapter of the default model: 3.6 ms through `load_peft_files` on one
     core, about 1 ms here.
     """
@@ -295,8 +301,11 @@ def read_planned(plan: ReadPlan, name: str, dtype: torch.dtype) -> LoRAAdapter |
     if buf is None or len(buf) < size:
         buf = _read_buffer.buf = bytearray(size)
     try:
+        if plan.config_path is not None and _identity(os.stat(plan.config_path)) != plan.config_identity:
+            return None
         with open(plan.tensors_path, "rb") as f:
-            if _identity(os.fstat(f.fileno())) != plan.identity or f.readinto(memoryview(buf)[:size]) != size:
+            if (_identity(os.fstat(f.fileno())) != plan.identity or f.readinto(memoryview(buf)[:size]) != size
+                    or _identity(os.fstat(f.fileno())) != plan.identity):  # an edit while it was read too
                 return None
     except OSError:
         return None
@@ -320,7 +329,7 @@ def read_planned(plan: ReadPlan, name: str, dtype: torch.dtype) -> LoRAAdapter |
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
-def _read_stacked(tensors_path: str, header: dict[str, TensorInfo], found: dict[tuple[int, str], dict[str, str]],
+def _read_stacked(tensors_path: str, identity: tuple[int, ...], header: dict[str, TensorInfo], found: dict[tuple[int, str], dict[str, str]],
                   specs: dict[tuple[int, str], LoRAModuleSpec], model_config: ModelConfig,
                   dtype: torch.dtype) -> dict[str, StackedModule]:
     """Read the file once and stack each projection's layers ([L, r, H_in] and [L, H_out, r]) in `dtype`.
@@ -329,11 +338,11 @@ def _read_stacked(tensors_path: str, header: dict[str, TensorInfo], found: dict[
     (the usual case) one finiteness check covers every tensor, and a projection with one rank on every
     layer is one `torch.stack`. Per-tensor work happens only to name the tensor at fault.
     """
-    size = os.path.getsize(tensors_path)
-    buf = bytearray(size)
-    with open(tensors_path, "rb") as f:
-        if f.readinto(buf) != size:
-            raise AdapterError(f"{SAFETENSORS_NAME}: file changed while it was read")
+    buf = bytearray(identity[2])
+    with open(tensors_path, "rb") as f:  # the file whose header was checked, unchanged until read through
+        if (_identity(os.fstat(f.fileno())) != identity or f.readinto(buf) != len(buf)
+                or _identity(os.fstat(f.fileno())) != identity):
+            raise AdapterError(f"{SAFETENSORS_NAME}: the file changed while it was read; load it again")
     base = 8 + struct.unpack_from("<Q", buf)[0]
 
     def view(key: str) -> torch.Tensor:
@@ -344,7 +353,7 @@ def _read_stacked(tensors_path: str, header: dict[str, TensorInfo], found: dict[
     keys = [found[lm][ab] for lm in specs for ab in ("A", "B")]
     dtypes = {header[k].dtype for k in keys}
     finite = fits = False  # every value is finite in the file / is known to stay finite in `dtype`
-    if len(dtypes) == 1 and size > base:  # the whole data section is one tensor of one dtype
+    if len(dtypes) == 1 and len(buf) > base:  # the whole data section is one tensor of one dtype
         whole = torch.frombuffer(buf, dtype=_TORCH_DTYPES[dtypes.pop()], offset=base)
         lo, hi = (float(v) for v in torch.aminmax(whole))  # NaN propagates; 10x cheaper than isfinite
         finite = math.isfinite(lo) and math.isfinite(hi)
@@ -429,6 +438,11 @@ def load_peft_adapter(
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise AdapterError(f"adapter path {path!r} is not a directory")
+    config_path = os.path.join(path, CONFIG_NAME)
+    try:
+        config_identity = _identity(os.stat(config_path))  # before reading it, for the read plan
+    except OSError:
+        config_identity = None  # read_adapter_config says what is wrong
     config = read_adapter_config(path)
     tensors_path = os.path.join(path, SAFETENSORS_NAME)
     if not os.path.isfile(tensors_path):
@@ -439,9 +453,12 @@ def load_peft_adapter(
             )
         raise AdapterError(f"{SAFETENSORS_NAME} is missing in {path!r}")
     name = name if name is not None else os.path.basename(os.path.normpath(path))
-    return load_peft_files(
+    adapter = load_peft_files(
         config, tensors_path, model_config, max_lora_rank=max_lora_rank, name=name, path=path, dtype=dtype
     )
+    if adapter.plan is not None:  # a later read by plan checks this config file too
+        adapter.plan = dataclasses.replace(adapter.plan, config_path=config_path, config_identity=config_identity)
+    return adapter
 
 
 def validate_peft_adapter(path: str | os.PathLike, model_config: ModelConfig, *, max_lora_rank: int) -> None:

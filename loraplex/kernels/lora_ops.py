@@ -90,6 +90,8 @@ class LoRAWeights:
     _tables: tuple | None = field(default=None, repr=False)
 
     def __post_init__(self):
+        if not self.live:
+            self.live = {s for s, r in enumerate(self.ranks_list) if r}
         if not self.page:
             self.page = self.A.shape[1]
         if self.A.shape[1] % self.page:

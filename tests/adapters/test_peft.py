@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import struct
@@ -559,6 +560,34 @@ def test_read_plan_reads_the_same_adapter_without_parsing(make_adapter, model_co
     plan = load(path, model_config).plan
     assert read_planned(plan, "again", torch.float32).modules[(0, "q_proj")].A.view(-1)[0] == 1e6
     assert read_planned(plan, "again", torch.float16) is None  # 1e6 overflows float16: the full load says so
+
+    time.sleep(0.01)
+    config = edit_config(path, lora_alpha=64)  # the scaling changes: the plan must not keep the old one
+    assert read_planned(plan, "again", torch.float32) is None
+    assert load(path, model_config).modules[(0, "q_proj")].scaling == 64 / config["r"]
+
+
+def test_file_replaced_after_its_header_was_checked_is_refused(make_adapter, model_config, monkeypatch):
+    """The tensors are read from the file whose header was checked: one swapped in between (an atomic
+    replace, same names and shapes, other values and order) is an error, not a mix of the two."""
+    from safetensors.torch import load_file, save_file
+
+    from loraplex.adapters import peft as peft_module
+
+    path, _ = make_adapter(target_modules=["q_proj", "v_proj"])
+    file = path / "adapter_model.safetensors"
+    other = path.parent / "other.safetensors"
+    save_file({k: t + 1 for k, t in reversed(load_file(file).items())}, other)
+    check = peft_module.read_safetensors_header
+
+    def check_then_replace(p):
+        result = check(p)
+        os.replace(other, file)
+        return result
+
+    monkeypatch.setattr(peft_module, "read_safetensors_header", check_then_replace)
+    with pytest.raises(AdapterError, match="changed while it was read"):
+        load(path, model_config)
 
 
 def test_no_read_plan_for_per_layer_ranks(make_adapter, model_config):

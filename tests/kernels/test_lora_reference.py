@@ -228,3 +228,16 @@ def test_stack_writes_every_layer_as_per_layer_writes_would():
         stack.set_slot(3, torch.zeros(L, 8, H_in), torch.zeros(L, H_out, 8), [8] * L, [1.0] * L)  # rows 12..19
     with pytest.raises(ValueError, match="do not fit"):
         stack.set_slot(0, torch.zeros(L - 1, 4, H_in), torch.zeros(L - 1, H_out, 4), [4] * 2, [1.0] * 2)
+
+
+def test_weights_built_from_ranks_know_their_live_slots():
+    """LoRAWeights made directly (not through set_slot) derive `live` from ranks_list, so add_lora does
+    not skip them as a projection no adapter targets."""
+    case = make_case(6, "uniform", 3, torch.float32, 16, [8], "zero", seed=17)
+    w = case.slices[0]
+    rebuilt = LoRAWeights(A=w.A, B=w.B, ranks=w.ranks, scales=w.scales, ranks_list=list(w.ranks_list),
+                          scales_list=list(w.scales_list), page=w.page)
+    assert rebuilt.live == {s for s, r in enumerate(w.ranks_list) if r} and rebuilt.live
+    y = case.y.clone()
+    lora_ops.add_lora(y, case.x, [rebuilt], case.meta, case.offsets)
+    assert_matches(y, case, case.y)
