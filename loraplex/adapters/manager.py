@@ -3,10 +3,12 @@
 Letters: S adapter slots (`max_loras`), R max rank (`max_lora_rank`), L layers, P pages per slot,
 V = S x P pages (virtual slots).
 
-- disk: every registered adapter (validated once at registration, tensors dropped);
+- disk: every registered adapter (validated at registration, tensors dropped; a read plan is kept so
+  later loads of the unchanged files skip parsing, `read_planned`);
 - CPU: an LRU cache of loaded adapters, at most `max_cpu_loras` (pinned host memory on CUDA);
-- slots: the stacked per-layer buffers the LoRA op reads (`LoRAWeights`, A [S, R, H_in],
-  B [S, H_out, R]); on the CPU path these are the "GPU" tier.
+- slots: the per-layer buffers the LoRA op reads (`LoRAWeights`, A [S, R, H_in], B [S, H_out, R]),
+  each projection's layers stacked in one `LoRAStack` so an adapter is copied in with a few copies per
+  projection; on the CPU path these are the "GPU" tier.
 
 The slot tier is paged by rank (S-LoRA's unified paging, arXiv:2311.03285): its S x R rank rows are
 cut into pages of `page` rows (`LORA_PAGE_ROWS`, or R when that does not divide R). An adapter of
