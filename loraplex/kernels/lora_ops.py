@@ -255,12 +255,14 @@ class LoRAStack:
         A None clears the slot. Zeroes the rows the previous write there filled first. Raises ValueError
         when the weights do not fit the buffers or run past the end of the physical slot."""
         layer0 = self.layers[0]
-        for w in self.layers:
-            w.version += 1  # invalidates weights cached for the packed path
         if not 0 <= slot < layer0.num_virtual_slots:
             raise ValueError(f"virtual slot {slot} out of range [0, {layer0.num_virtual_slots})")
-        phys, row = layer0.locate(slot)
         old = self.rows[slot]
+        if A is None and not old:
+            return  # already clear (e.g. the MLP stacks of a q/k/v/o adapter): nothing to write
+        for w in self.layers:
+            w.version += 1  # invalidates weights cached for the packed path
+        phys, row = layer0.locate(slot)
         if old:
             self.A[:, phys, row:row + old].zero_()
             self.B[:, phys, :, row:row + old].zero_()
@@ -284,11 +286,15 @@ class LoRAStack:
             if self.AT is not None:
                 _at_pages(self.AT[:, phys], row, r, layer0.page, self.at_col).copy_(
                     _as_pages(A.transpose(1, 2), layer0.page))
-                scale = torch.tensor(scales, dtype=torch.float32)[:, None, None]
+                one = len(set(scales)) == 1  # one scaling for every layer: no tensor of them to build
+                scale = float(scales[0]) if one else torch.tensor(scales, dtype=torch.float32)[:, None, None]
                 self.BT[:, phys, row:row + r].copy_((B.float() * scale).transpose(1, 2))
         self.rows[slot] = r
-        self.ranks[:, slot] = torch.tensor(ranks, dtype=torch.int32)
-        self.scales[:, slot] = torch.tensor(scales, dtype=torch.float32)
+        for buffer, values, dtype in ((self.ranks, ranks, torch.int32), (self.scales, scales, torch.float32)):
+            if len(set(values)) == 1:
+                buffer[:, slot] = values[0]  # a fill, cheaper than building a tensor (rank 0 on a clear)
+            else:
+                buffer[:, slot] = torch.tensor(values, dtype=dtype)
         for w, rank, scale in zip(self.layers, ranks, scales, strict=True):
             w.ranks_list[slot] = rank
             w.scales_list[slot] = float(scale)
