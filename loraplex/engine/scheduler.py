@@ -96,10 +96,12 @@ class Scheduler:
         # prefill must wait for a later step's token budget.
         skipped: list[Request] = []
         blocked: str | None = None  # adapter of the oldest request waiting for a slot
+        examined: set[str | None] = set()  # adapters of the requests looked at this step
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             if budget == 0 and not self.cfg.static_batching:
                 break
             req = self.waiting[0]
+            examined.add(req.adapter)
             if req.adapter is not None and req.adapter in self.adapters.failed:
                 self.waiting.popleft()
                 self.finish(req, RequestStatus.FINISHED_ABORTED)
@@ -123,6 +125,13 @@ class Scheduler:
                 out.num_scheduled_tokens[req.request_id] = num_new
                 budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+        reserved = self.adapters.reserved
+        if (blocked is None and reserved is not None and reserved[0] not in examined
+                and any(r.adapter == reserved[0] for r in self.waiting)):
+            # The loop stopped (full batch, no token budget, no KV blocks) before it reached the request
+            # the run is reserved for: keep the reservation, or its owners would take new requests at
+            # the next free place and the drain would start over (starving a large adapter).
+            blocked = reserved[0]
         self.adapters.make_room_for(blocked)
 
     def _prefetch(self) -> None:

@@ -342,3 +342,46 @@ def test_load_thread_uses_one_torch_thread_and_leaves_the_others_alone():
     t.start()
     t.join()
     assert later == [before]
+
+
+def test_reservation_holds_while_the_batch_is_full(model_path, tmp_path):
+    """With the batch full (max_num_seqs) most steps, admission does not look at the queue; the run
+    reserved for a waiting rank-64 adapter stays reserved and its owners keep draining through those
+    steps, instead of taking new requests whenever a sequence finishes, so big gets its slot."""
+    llm = LLM(str(model_path), dtype="float32", max_loras=2, max_lora_rank=64, max_num_seqs=6,
+              kv_cache_memory=64 << 20)
+    engine, mgr = llm.engine, llm.engine.adapters
+    cfg = engine.model_config
+    small = {f"r16_{i}": 16 for i in range(8)}  # 8 x 2 pages: both slots
+    for i, (n, r) in enumerate({**small, "big": 64}.items()):
+        write_random_adapter(tmp_path / n, cfg, r=r, alpha=r, seed=300 + i, b_std=0.2)
+        llm.load_adapter(n, tmp_path / n)
+    _wait_in_host_memory(mgr, [*small, "big"])
+    names = list(small)
+    for n in names:  # every small adapter resident, so each slot holds some
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, ignore_eos=True), adapters=n)
+    assert sum(o is not None for o in mgr.owner) == 16
+
+    rng = random.Random(3)
+    reqs, big_req, big_admitted_at = [], None, None
+    for step in range(1, 400):
+        if step <= 80:  # more small requests than the batch holds: the queue never empties
+            for _ in range(2):
+                n = names[len(reqs) % len(names)]
+                p = SamplingParams(max_tokens=rng.randrange(2, 6), temperature=0, ignore_eos=True)
+                reqs.append(engine.add_request([rng.randrange(100, 40000) for _ in range(3)], p, n))
+        if step == 5:
+            big_req = engine.add_request([11, 12, 13], SamplingParams(max_tokens=3, temperature=0,
+                                                                       ignore_eos=True), "big")
+        engine.step()
+        assert_pages_consistent(mgr)
+        if big_admitted_at is None and big_req is not None:
+            if big_req in engine.scheduler.running or big_req.is_finished:
+                big_admitted_at = step
+            elif step > 6:
+                assert mgr.reserved is not None and mgr.reserved[0] == "big", f"step {step}: reservation dropped"
+        if step > 80 and not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests()
+    assert big_admitted_at is not None and big_admitted_at - 5 <= 40, f"big waited {big_admitted_at} steps"
+    assert all(r.is_finished for r in [*reqs, big_req])

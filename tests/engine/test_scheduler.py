@@ -19,6 +19,7 @@ class FakeAdapters:
         self.refcount: dict[str, int] = {}
         self.failed: dict[str, str] = {}
         self.draining: set[str] = set()
+        self.reserved: tuple[str, int, int] | None = None  # never reserves
 
     def poll(self):
         pass
