@@ -149,12 +149,7 @@ class LoRAWeights:
         if not 0 <= slot < self.num_virtual_slots:
             raise ValueError(f"virtual slot {slot} out of range [0, {self.num_virtual_slots})")
         phys, row = self.locate(slot)
-        old = self.ranks_list[slot]
-        self.A[phys, row:row + old].zero_()
-        self.B[phys, :, row:row + old].zero_()
-        if self.AT is not None:
-            _at_pages(self.AT[phys], row, old, self.page, self.at_col).zero_()
-            self.BT[phys, row:row + old].zero_()
+        _zero_rows(self, phys, row, self.ranks_list[slot], self.page, self.at_col)
         if A is None:
             r, scale = 0, 0.0
         else:
@@ -163,16 +158,36 @@ class LoRAWeights:
                 raise ValueError(f"adapter weights A{tuple(A.shape)} B{tuple(B.shape)} do not fit slot "
                                  f"buffers A{tuple(self.A.shape[1:])} B{tuple(self.B.shape[1:])} at rank row {row}")
             self.ranks_list[slot] = r  # before the copies: if one fails, a later clear zeroes these rows
-            self.A[phys, row:row + r].copy_(A)
-            self.B[phys, :, row:row + r].copy_(B)
-            if self.AT is not None:
-                _at_pages(self.AT[phys], row, r, self.page, self.at_col).copy_(_as_pages(A.T, self.page))
-                self.BT[phys, row:row + r].copy_((B.float() * scale).T)
+            _copy_rows(self, phys, row, A, B, scale, self.page, self.at_col)
         self.ranks[slot] = r
         self.scales[slot] = scale
         self.ranks_list[slot] = r
         self.scales_list[slot] = float(scale)
         (self.live.add if r else self.live.discard)(slot)
+
+
+def _zero_rows(buf, phys: int, row: int, n: int, page: int, col: int) -> None:
+    """Zero rank rows row .. row + n - 1 of physical slot `phys` in buf's A, B and CPU mirrors; `buf` is
+    a `LoRAWeights` (A [S, R, H_in]) or a `LoRAStack` (the same with a leading layer dim)."""
+    if not n:
+        return
+    buf.A[..., phys, row:row + n, :].zero_()
+    buf.B[..., phys, :, row:row + n].zero_()
+    if buf.AT is not None:
+        _at_pages(buf.AT[..., phys, :, :, :], row, n, page, col).zero_()
+        buf.BT[..., phys, row:row + n, :].zero_()
+
+
+def _copy_rows(buf, phys: int, row: int, A: torch.Tensor, B: torch.Tensor, scale, page: int, col: int) -> None:
+    """Write A [..., r, H_in] and B [..., H_out, r] at rank rows row .. row + r - 1 of physical slot
+    `phys` of buf (as `_zero_rows`), and the mirrors: AT from A, BT from B scaled by `scale` (a float,
+    or a [L, 1, 1] tensor of per-layer scales)."""
+    r = A.shape[-2]
+    buf.A[..., phys, row:row + r, :].copy_(A)
+    buf.B[..., phys, :, row:row + r].copy_(B)
+    if buf.AT is not None:
+        _at_pages(buf.AT[..., phys, :, :, :], row, r, page, col).copy_(_as_pages(A.transpose(-1, -2), page))
+        buf.BT[..., phys, row:row + r, :].copy_((B.float() * scale).transpose(-1, -2))
 
 
 def _at_pages(at: torch.Tensor, row: int, r: int, page: int, col: int) -> torch.Tensor:
@@ -263,12 +278,7 @@ class LoRAStack:
         for w in self.layers:
             w.version += 1  # invalidates weights cached for the packed path
         phys, row = layer0.locate(slot)
-        if old:
-            self.A[:, phys, row:row + old].zero_()
-            self.B[:, phys, :, row:row + old].zero_()
-            if self.AT is not None:
-                _at_pages(self.AT[:, phys], row, old, layer0.page, self.at_col).zero_()
-                self.BT[:, phys, row:row + old].zero_()
+        _zero_rows(self, phys, row, old, layer0.page, self.at_col)
         num_layers = len(self.layers)
         if A is None:
             r, ranks, scales = 0, [0] * num_layers, [0.0] * num_layers
@@ -281,14 +291,9 @@ class LoRAStack:
                                  f"not fit slot buffers of {num_layers} layers, max rank {self.A.shape[2]}, "
                                  f"H_in {self.A.shape[3]}, H_out {self.B.shape[2]} at rank row {row}")
             self.rows[slot] = r  # before the copies: if one fails, a later clear zeroes these rows
-            self.A[:, phys, row:row + r].copy_(A)
-            self.B[:, phys, :, row:row + r].copy_(B)
-            if self.AT is not None:
-                _at_pages(self.AT[:, phys], row, r, layer0.page, self.at_col).copy_(
-                    _as_pages(A.transpose(1, 2), layer0.page))
-                one = len(set(scales)) == 1  # one scaling for every layer: no tensor of them to build
-                scale = float(scales[0]) if one else torch.tensor(scales, dtype=torch.float32)[:, None, None]
-                self.BT[:, phys, row:row + r].copy_((B.float() * scale).transpose(1, 2))
+            one = len(set(scales)) == 1  # one scaling for every layer: no tensor of them to build
+            scale = float(scales[0]) if one else torch.tensor(scales, dtype=torch.float32)[:, None, None]
+            _copy_rows(self, phys, row, A, B, scale, layer0.page, self.at_col)
         self.rows[slot] = r
         for buffer, values, dtype in ((self.ranks, ranks, torch.int32), (self.scales, scales, torch.float32)):
             if len(set(values)) == 1:
