@@ -176,9 +176,9 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
     """CPU path for many distinct adapters (BGMV's per-row gather, Punica), on `embedding_bag`.
 
     Each row reads only its own adapter's weights, straight from the slot buffers' CPU mirrors (no
-    copy of them, no FLOPs on other adapters' columns). Shrink: with AT [S, H_in, P, W] viewed as a
-    table of rows (physical slot, h, page) of W values, row t's page j is the sum over h of
-    x[t, h] * AT[slot_t, h, page_t + j]: one bag of H_in table rows weighted by x[t]. The slices of a
+    copy of them, no FLOPs on other adapters' columns). Shrink: with AT [S, P, H_in, W] viewed as a
+    table of rows (physical slot, page, h) of W values, row t's page j is the sum over h of
+    x[t, h] * AT[slot_t, page_t + j, h]: one bag of H_in table rows weighted by x[t]. The slices of a
     fused projection share AT (W = k x page), so that one gather shrinks all of them. Expand: row t's
     delta is the sum over its rank rows j of v[t, j] * BT[j-th rank row of its slot] (BT holds
     scale * B.T): one bag of r_t table rows weighted by v[t]. One `embedding_bag` per shrink mirror
@@ -248,15 +248,15 @@ def _bgmv_plan(meta: LoRAMeta, w) -> dict:
 
 def _bgmv_shrink_index(plan: dict, w, h_in: int):
     """(indices, offsets, valid) of the shrink bags for inputs of width h_in (cached in the plan):
-    bag (t, j) for j < n_max holds table rows (physical slot, h, first page + j) for h < h_in; bags
+    bag (t, j) for j < n_max holds table rows (physical slot, first page + j, h) for h < h_in; bags
     past a row's own pages are empty (they sum to zero) and valid marks the others (None: all)."""
     key = ("shrink", h_in, w.A.shape[1])
     if key not in plan:
         per_slot = w.A.shape[1] // w.page  # pages per physical slot
         phys, first = plan["sid"] // per_slot, plan["sid"] % per_slot  # [T_a]
         j = torch.arange(plan["n_max"])
-        idx = ((phys * h_in * per_slot + first)[:, None, None] + j[None, :, None]
-               + (torch.arange(h_in) * per_slot)[None, None, :])  # [T_a, n_max, H_in]
+        page_row = ((phys * per_slot + first)[:, None] + j[None, :]) * h_in  # [T_a, n_max] first table row
+        idx = page_row[:, :, None] + torch.arange(h_in)  # [T_a, n_max, H_in]
         valid = None if plan["e_valid"] is None else j[None, :] < plan["pages"][:, None]  # [T_a, n_max]
         lengths = torch.full((idx.shape[0] * plan["n_max"],), h_in) if valid is None else valid.flatten() * h_in
         plan[key] = (idx.flatten() if valid is None else idx[valid].flatten(),
