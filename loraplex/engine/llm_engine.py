@@ -21,6 +21,7 @@ from loraplex.engine.model import LlamaModel
 from loraplex.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from loraplex.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
+from loraplex.kernels import attach_fused_shrink
 
 
 def pick_device(device: str | torch.device) -> torch.device:
@@ -102,6 +103,12 @@ class LLMEngine:
         for layer, buffers in zip(self.model.layers, self.adapters.buffers, strict=True):
             layer.self_attn.lora = {m: buffers[m] for m in ("q_proj", "k_proj", "v_proj", "o_proj")}
             layer.mlp.lora = {m: buffers[m] for m in ("gate_proj", "up_proj", "down_proj")}
+            if self.device.type == "cpu" and self.config.max_loras:  # shrink inside the base GEMMs (kernels docs)
+                for linear, group in ((layer.self_attn.qkv_proj, ("q_proj", "k_proj", "v_proj")),
+                                      (layer.self_attn.o_proj, ("o_proj",)),
+                                      (layer.mlp.gate_up_proj, ("gate_proj", "up_proj")),
+                                      (layer.mlp.down_proj, ("down_proj",))):
+                    attach_fused_shrink(linear, [buffers[m] for m in group])
         self.scheduler = Scheduler(self.config, self.block_manager, self.adapters)
         self.runner = ModelRunner(self.model, self.block_manager, self.dtype, self.device)
         self.requests: dict[str, Request] = {}

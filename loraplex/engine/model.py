@@ -3,8 +3,9 @@
 Letters: T tokens in the step (prefill chunks and decodes of many requests, no padding), H hidden,
 I intermediate, D head dim, V vocab, L layers.
 
-q/k/v and gate/up are fused into one matmul each (fewer, larger GEMMs); LoRA is an explicit call after
-each base projection, one adapter per row, through `loraplex.kernels.add_lora`. Numerics follow
+q/k/v and gate/up are fused into one matmul each (fewer, larger GEMMs); LoRA goes with each base
+projection, one adapter per row, through `loraplex.kernels.lora_linear` (on CPU the shrink of some
+adapters runs inside the base GEMM; elsewhere the base projection then `add_lora`). Numerics follow
 Hugging Face's LlamaForCausalLM (RMSNorm in fp32, RoPE cos/sin in fp32, rotate-half layout), which is
 what the parity tests compare against.
 """
@@ -17,7 +18,7 @@ from torch import nn
 
 from loraplex.engine.attention import AttentionMetadata, paged_attention
 from loraplex.engine.config import ModelConfig
-from loraplex.kernels import LoRAMeta, LoRAWeights, add_lora
+from loraplex.kernels import LoRAMeta, LoRAWeights, lora_linear
 
 
 class RMSNorm(nn.Module):
@@ -71,19 +72,19 @@ class Attention(nn.Module):
     def forward(self, x, positions, kv_cache, attn: AttentionMetadata, lora: LoRAMeta | None):
         """x [T, H]; positions [T]; kv_cache (k, v) each [num_slots, nKV, D] -> [T, H]."""
         cfg = self.cfg
-        qkv = self.qkv_proj(x)  # [T, q + 2 kv]
         if lora is not None and "q_proj" in self.lora:
-            add_lora(qkv, x, [self.lora["q_proj"], self.lora["k_proj"], self.lora["v_proj"]], lora)
+            qkv = lora_linear(x, self.qkv_proj, [self.lora["q_proj"], self.lora["k_proj"], self.lora["v_proj"]], lora)
+        else:
+            qkv = self.qkv_proj(x)  # [T, q + 2 kv]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_attention_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_key_value_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_key_value_heads, cfg.head_dim)
         q, k = self.rope(positions, q, k)
         o = paged_attention(q, k, v, kv_cache, attn).reshape(-1, cfg.q_size)  # [T, nH * D]
-        out = self.o_proj(o)
         if lora is not None and "o_proj" in self.lora:
-            add_lora(out, o, [self.lora["o_proj"]], lora)
-        return out
+            return lora_linear(o, self.o_proj, [self.lora["o_proj"]], lora)
+        return self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -97,15 +98,15 @@ class MLP(nn.Module):
         self.lora: dict[str, LoRAWeights] = {}
 
     def forward(self, x: torch.Tensor, lora: LoRAMeta | None) -> torch.Tensor:  # [T, H] -> [T, H]
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
         if lora is not None and "gate_proj" in self.lora:
-            add_lora(gate_up, x, [self.lora["gate_proj"], self.lora["up_proj"]], lora)
+            gate_up = lora_linear(x, self.gate_up_proj, [self.lora["gate_proj"], self.lora["up_proj"]], lora)
+        else:
+            gate_up = self.gate_up_proj(x)  # [T, 2I]
         gate, up = gate_up.split(self.inter, dim=-1)
         h = F.silu(gate) * up  # [T, I]
-        out = self.down_proj(h)
         if lora is not None and "down_proj" in self.lora:
-            add_lora(out, h, [self.lora["down_proj"]], lora)
-        return out
+            return lora_linear(h, self.down_proj, [self.lora["down_proj"]], lora)
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):

@@ -5,7 +5,16 @@ The Triton names (`add_lora_triton`, `sgmv_shrink`, `sgmv_expand`, `TileConfig`,
 Triton interpreter mode (TRITON_INTERPRET is read when the kernels are defined).
 """
 
-from loraplex.kernels.lora_ops import BACKENDS, LoRAStack, LoRAWeights, add_lora, set_backend
+from loraplex.kernels.lora_ops import (
+    BACKENDS,
+    FusedShrink,
+    LoRAStack,
+    LoRAWeights,
+    add_lora,
+    attach_fused_shrink,
+    lora_linear,
+    set_backend,
+)
 from loraplex.kernels.metadata import LoRAMeta, build_lora_meta
 from loraplex.kernels.reference import add_lora_packed, add_lora_segmented, lora_expand_ref, lora_shrink_ref
 
@@ -13,14 +22,17 @@ _TRITON_NAMES = ("add_lora_triton", "sgmv_shrink", "sgmv_expand", "TileConfig", 
 
 __all__ = [
     "BACKENDS",
+    "FusedShrink",
     "LoRAMeta",
     "LoRAStack",
     "LoRAWeights",
     "add_lora",
     "add_lora_packed",
     "add_lora_segmented",
+    "attach_fused_shrink",
     "build_lora_meta",
     "lora_expand_ref",
+    "lora_linear",
     "lora_shrink_ref",
     "set_backend",
     *_TRITON_NAMES,

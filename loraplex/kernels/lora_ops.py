@@ -12,7 +12,7 @@ Backends: "triton" (SGMV kernels, CUDA), "segmented" (PyTorch reference, one mat
 segment), "packed" (PyTorch, one matmul pair for all adapters; CPU path for few adapters), "bgmv"
 (PyTorch `embedding_bag`, each row reads only its own adapter; CPU path for many adapters, with
 prefill-sized segments split off to "packed"). `LORAPLEX_LORA_BACKEND` or `set_backend` forces one;
-"auto" picks Triton on CUDA, and on CPU packed up to N <= 96, else bgmv. Forcing "triton" on CPU
+"auto" picks Triton on CUDA, and on CPU packed up to N <= 48 (bf16/fp16), else bgmv. Forcing "triton" on CPU
 tensors runs the kernels in the Triton interpreter, which needs TRITON_INTERPRET=1 set before the
 kernels module is first imported (tests).
 """
@@ -24,27 +24,34 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from loraplex.kernels.metadata import LoRAMeta, build_lora_meta
 from loraplex.kernels.reference import (
     add_lora_bgmv,
     add_lora_dense_segments,
+    add_lora_fused_packed,
     add_lora_packed,
     add_lora_segmented,
+    fill_fused_rows,
+    fused_plan,
 )
 
 BACKENDS = ("auto", "triton", "segmented", "packed", "bgmv")
 _backend = os.environ.get("LORAPLEX_LORA_BACKEND", "auto")
 
 # CPU path choice, measured on a 2-core AVX512-BF16 CPU (bf16, the default model's q/k/v/o and MLP
-# shapes, rank-8 adapters; /tmp-free numbers in docs/kernels.md). The packed path multiplies every row
-# by all N active rank columns in two dense matmuls: cheapest while N is small (one adapter: 0.15 of
-# the base projections' time at T = 64, against 0.26 for bgmv). bgmv reads only each row's own
-# adapter, so its cost does not grow with the number of adapters: it wins from about 8-16 adapters
-# per step (64 rows over 64 adapters: bgmv 0.31, packed 0.78 of the base projections' time).
+# shapes, rank-8 adapters; numbers in docs/kernels.md). The packed path multiplies every row by all N
+# active rank columns: its shrink runs inside the base GEMM (`lora_linear`), its expand is one dense
+# matmul per projection, so it is cheapest while N is small. bgmv reads only each row's own adapter,
+# so its cost does not grow with the number of adapters. With all 30 layers' weights in play (caches
+# cold, as in a real step), at 104 rows: 1-4 adapters cost 80-135 us per layer (q/k/v/o) packed
+# against 160-200 us with bgmv; 8 adapters 220 against 212, 12 adapters 272 against 249; at 32 rows
+# the same crossing. So packed up to N = 48 (six rank-8 adapters).
 # fp32 keeps the limit measured against the older per-row path (bgmv not re-measured in fp32).
 PACKED_LIMITS = {torch.float32: (1024, 160 * 1024)}  # dtype -> (max N, max T x N)
-PACKED_LIMITS_16BIT = (96, 1024 * 1024)
+PACKED_LIMITS_16BIT = (48, 1024 * 1024)
 # With bgmv, segments of at least this many rows (long prefill chunks) take one dense matmul pair each
 # (`add_lora_dense_segments`), reading their adapter once for all their rows. Measured on the paging
 # benchmark (prefill chunks of 8-64 rows among ~50 decodes): splitting at 16 rows cost 4.6 s of LoRA
@@ -88,6 +95,7 @@ class LoRAWeights:
     BT: torch.Tensor | None = field(default=None, repr=False)
     at_col: int = 0
     live: set[int] = field(default_factory=set)
+    fused: FusedShrink | None = field(default=None, repr=False)  # on a projection's first slice
     _tables: tuple | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -308,6 +316,93 @@ class LoRAStack:
             (w.live.add if rank else w.live.discard)(slot)
 
 
+# Fused-shrink capacity: rank rows per slice under each base weight, the packed path's 16-bit limit on
+# N (an fp32 step past it takes the packed path unfused).
+FUSED_MAX_ROWS = PACKED_LIMITS_16BIT[0]
+
+
+@dataclass
+class FusedShrink:
+    """A base projection's weight with room under it for adapters' A rows (CPU).
+
+    weight: [H_out + E_max, H_in], rows :H_out the base `nn.Linear` weight itself (shared storage, no
+    copy), the rest adapters' A rows written per step by `fill_fused_rows`; bias: [H_out + E_max] with
+    zeros past H_out, or None. One F.linear over weight[:H_out + E] then yields the base output and the
+    shrink of E / (k x page) pages of adapters in one GEMM. `key` names what the rows hold; `expand`
+    holds those adapters' scaled B pages ([E, H_out] block-diagonal, or one [n x page, H_out_i] per
+    slice) for the packed path. Made by `attach_fused_shrink`.
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    out: int
+    cap_pages: int
+    key: tuple | None = None
+    expand: list | None = None
+
+
+def attach_fused_shrink(linear: nn.Linear, slices: Sequence[LoRAWeights],
+                        max_rows: int = FUSED_MAX_ROWS) -> FusedShrink:
+    """Give `linear` (whose output is the slices' outputs side by side) room for `max_rows` rank rows
+    per slice under its weight, and hand it to `lora_linear` through slices[0].fused.
+
+    The weight parameter is re-pointed at the first H_out rows of the larger buffer: the module keeps
+    computing exactly what it did (the extra rows are only read by `lora_linear`). Measured on this
+    model's shapes, F.linear's base columns are bit-identical with or without extra rows. Raises
+    ValueError when the shapes do not match or the slices have no CPU mirrors.
+    """
+    w0 = slices[0]
+    out, h_in = sum(w.B.shape[1] for w in slices), w0.A.shape[2]
+    if tuple(linear.weight.shape) != (out, h_in) or any(w.BT is None for w in slices):
+        raise ValueError(f"cannot fuse a shrink into a linear of weight {tuple(linear.weight.shape)} for slices of "
+                         f"H_in {h_in} and H_out {out} (CPU slot buffers needed)")
+    cap_pages = max(1, max_rows // w0.page)
+    extra = cap_pages * len(slices) * w0.page
+    weight = linear.weight.new_zeros(out + extra, h_in)
+    weight[:out].copy_(linear.weight.detach())
+    linear.weight = nn.Parameter(weight[:out], requires_grad=False)
+    bias = None
+    if linear.bias is not None:
+        bias = linear.bias.new_zeros(out + extra)
+        bias[:out].copy_(linear.bias.detach())
+        linear.bias = nn.Parameter(bias[:out], requires_grad=False)
+    w0.fused = FusedShrink(weight, bias, out, cap_pages)
+    return w0.fused
+
+
+def lora_linear(x: torch.Tensor, linear: nn.Linear, slices: Sequence[LoRAWeights], meta: LoRAMeta) -> torch.Tensor:
+    """linear(x) plus every row's adapter delta: x [T, H_in] -> y [T, sum H_out] (the slices' outputs
+    side by side, as `add_lora` with default offsets).
+
+    With a `FusedShrink` attached (CPU) and the packed path chosen (few adapters in the step), every
+    active adapter's shrink runs inside the base GEMM and y is a view of that wider output. Otherwise
+    (CUDA, the bgmv path, forced backends, more pages than the room under the weight) it is
+    `add_lora(linear(x), x, slices, meta)`.
+    """
+    fs = slices[0].fused
+    if fs is None or _backend != "auto" or not meta.has_lora or all(
+            w.live.isdisjoint(meta.seg_slots_list) for w in slices):
+        return add_lora(linear(x), x, slices, meta)
+    plan = None
+    if _pick_backend(x, meta, slices) == "packed":
+        plan = fused_plan(meta, slices[0].page, len(slices), fs.cap_pages)
+    if plan is None:
+        return add_lora(linear(x), x, slices, meta)
+    fill_fused_rows(fs, slices, plan)
+    n = fs.out + plan["cols"]
+    y_ext = F.linear(x, fs.weight[:n], None if fs.bias is None else fs.bias[:n])  # [T, H_out + E]
+    return add_lora_fused_packed(y_ext[:, :fs.out], y_ext[:, fs.out:], slices, meta, plan, fs)
+
+
+def _offsets(slices: Sequence[LoRAWeights]) -> list[int]:
+    """Each slice's first column when the slices' outputs sit side by side."""
+    offsets, off = [], 0
+    for w in slices:
+        offsets.append(off)
+        off += w.B.shape[1]
+    return offsets
+
+
 def set_backend(name: str) -> None:
     """Force a backend for every later `add_lora` call ("auto" restores the choice). ValueError if unknown."""
     global _backend
@@ -360,10 +455,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, slices: Sequence[LoRAWeights], me
     if all(w.live.isdisjoint(meta.seg_slots_list) for w in slices):
         return y  # no adapter in this step targets this projection (e.g. q/k/v/o-only adapters on the MLP)
     if offsets is None:
-        offsets, off = [], 0
-        for w in slices:
-            offsets.append(off)
-            off += w.B.shape[1]
+        offsets = _offsets(slices)
     backend = _pick_backend(x, meta, slices)
     if backend == "packed":
         return add_lora_packed(y, x, slices, meta, list(offsets))

@@ -262,3 +262,91 @@ def _bgmv_shrink_index(plan: dict, w, h_in: int):
         plan[key] = (idx.flatten() if valid is None else idx[valid].flatten(),
                      torch.cumsum(lengths, 0) - lengths, valid)
     return plan[key]
+
+
+# Fused shrink (CPU). The shrink x @ A.T of a step's chosen adapters runs inside the base projection's
+# GEMM: their A rows sit under the base weight (`FusedShrink`, lora_ops), so F.linear returns the base
+# output and those adapters' v together. Extra GEMM columns cost far less than a separate small matmul
+# (about 13 us each in bf16 on a 2-core CPU whatever its size) or a gather of H_in table rows per row.
+# Columns are laid out by (page, slice, rank row in page) over the step's adapters' pages in slot order.
+
+
+def fused_plan(meta: LoRAMeta, page: int, k: int, cap_pages: int) -> dict | None:
+    """Where every active adapter's shrink columns are in the fused GEMM's output (cached on meta per
+    arguments); None when their pages exceed `cap_pages` or there are none. Returned: slots,
+    page_ids ([n] virtual pages in column order), cols (E = n x k x page), col_slot ([E] the slot of
+    each column), key (the pages as a tuple).
+    """
+    if meta._fused is None:
+        meta._fused = {}
+    key = (page, k, cap_pages)
+    if key not in meta._fused:
+        pages = {s: -(-meta.slot_ranks[s] // page) for s in meta.seg_slots_list}
+        plan = None
+        if 0 < sum(pages.values()) <= cap_pages:
+            slots = sorted(pages)
+            page_ids = [p for s in slots for p in range(s, s + pages[s])]
+            col_slot = [s for s in slots for _ in range(pages[s] * k * page)]
+            plan = {"slots": slots, "page_ids": torch.tensor(page_ids, dtype=torch.int64), "cols": len(col_slot),
+                    "col_slot": torch.tensor(col_slot, dtype=torch.int64), "key": tuple(page_ids)}
+        meta._fused[key] = plan
+    return meta._fused[key]
+
+
+def fill_fused_rows(fs, slices, plan: dict) -> None:
+    """Write the plan's adapters' A rows under the base weight of `fs` (a `FusedShrink`), and their
+    scaled B pages for the packed expand, unless they already hold them (same pages, no slot write
+    since). Rows past an adapter's rank inside its pages are zero in the slot buffers."""
+    key = (plan["key"], tuple(w.version for w in slices))
+    if fs.key == key:
+        return
+    k, page, n = len(slices), slices[0].page, len(plan["key"])
+    ext = fs.weight[fs.out:fs.out + plan["cols"]].view(n, k, page, -1)  # [n, k, page, H_in]
+    bts = []
+    for i, w in enumerate(slices):
+        ext[:, i].copy_(w.A.view(-1, page, w.A.shape[2]).index_select(0, plan["page_ids"]))
+        bts.append(w.BT.view(-1, page, w.BT.shape[2]).index_select(0, plan["page_ids"]))  # [n, page, H_out_i]
+    if k > 1 and n * page <= BLOCK_DIAGONAL_MAX_COLUMNS:  # one expand matmul for all slices
+        bd = bts[0].new_zeros(n, k, page, fs.out)
+        off = 0
+        for i, bt in enumerate(bts):
+            bd[:, i, :, off:off + bt.shape[2]] = bt
+            off += bt.shape[2]
+        fs.expand = [bd.view(-1, fs.out)]
+    else:
+        fs.expand = [bt.reshape(-1, bt.shape[2]) for bt in bts]
+    fs.key = key
+
+
+def add_lora_fused_packed(y: torch.Tensor, v: torch.Tensor, slices, meta: LoRAMeta, plan: dict,
+                          fs) -> torch.Tensor:
+    """The packed path's expand after a fused shrink: y [T, sum H_out] (the base columns of the fused
+    GEMM's output), v [T, E] (its shrink columns, every active adapter's). Rows take only their own
+    adapter's columns (masked by assignment, as `add_lora_packed`); rows without an adapter are neither
+    read nor written. B comes scaled from the BT mirrors. Returns y."""
+    if "rows" not in plan:
+        rows = meta.row_order if meta.row_order.numel() < meta.num_tokens else None
+        sid = meta.slot_ids.to(torch.int64)
+        sid = sid if rows is None else sid[rows]
+        plan["rows"] = rows
+        plan["mask"] = None if len(plan["slots"]) == 1 else sid[:, None] == plan["col_slot"][None, :]
+    rows, mask = plan["rows"], plan["mask"]
+    if rows is not None:
+        v = v.index_select(0, rows)  # [T_a, E]
+    if mask is not None:
+        v = torch.where(mask, v, torch.zeros((), dtype=v.dtype))
+    k, page, n = len(slices), slices[0].page, len(plan["key"])
+    if len(fs.expand) == 1 and k > 1:
+        deltas = [(0, v @ fs.expand[0])]  # block-diagonal: [T_a, sum H_out]
+    else:
+        vs = v.view(v.shape[0], n, k, page)
+        deltas, off = [], 0
+        for i, b in enumerate(fs.expand):
+            deltas.append((off, vs[:, :, i].reshape(v.shape[0], -1) @ b))  # [T_a, H_out_i]
+            off += b.shape[1]
+    for off, delta in deltas:
+        if rows is None:
+            y[:, off:off + delta.shape[1]] += delta
+        else:
+            y[:, off:off + delta.shape[1]].index_add_(0, rows, delta)
+    return y

@@ -67,7 +67,8 @@ def test_dispatch_auto_and_forced(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype, num_tokens, num_adapters, mirrors, expected", [
-    (torch.bfloat16, 64, 8, True, "packed"),  # N = 64
+    (torch.bfloat16, 64, 6, True, "packed"),  # N = 48
+    (torch.bfloat16, 64, 8, True, "bgmv"),  # N = 64
     (torch.bfloat16, 64, 64, True, "bgmv"),  # N = 512: each row reads only its own adapter
     (torch.float32, 2048, 12, True, "bgmv"),  # N = 96 but T x N = 192K
     (torch.float32, 16, 12, True, "packed"),

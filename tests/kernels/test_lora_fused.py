@@ -1,0 +1,100 @@
+"""`lora_linear` with the shrink fused into the base GEMM (CPU packed path), against the dense truth."""
+
+import pytest
+import torch
+from lora_cases import DEVICE, TOLERANCES, dense_reference, make_case
+
+from loraplex.kernels import lora_ops
+from loraplex.kernels.lora_ops import LoRAWeights, attach_fused_shrink, lora_linear
+
+pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the fused shrink is the CPU path (slot mirrors)")
+
+
+@pytest.fixture(autouse=True)
+def _auto_backend(monkeypatch):
+    monkeypatch.setattr(lora_ops, "_backend", "auto")
+
+
+def _fused_case(num_tokens, popularity, num_adapters, dtype, page, h_outs=(80, 24, 24), bias=True, seed=0):
+    """A case whose base output comes from a real nn.Linear (finite x on every row), with the shrink
+    room attached; returns (case, linear, base output before the attach)."""
+    case = make_case(num_tokens, popularity, num_adapters, dtype, 96, list(h_outs), "zero", seed=seed, page=page)
+    case.x[torch.isnan(case.x)] = 0.5  # rows without an adapter: finite, they go through the GEMM too
+    gen = torch.Generator().manual_seed(seed)
+    linear = torch.nn.Linear(96, sum(h_outs), bias=bias).to(dtype)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(linear.weight.shape, generator=gen) / 10)
+        if bias:
+            linear.bias.copy_(torch.randn(linear.bias.shape, generator=gen))
+    base = linear(case.x).detach()
+    attach_fused_shrink(linear, case.slices)
+    return case, linear, base
+
+
+def _check(out, case, base):
+    atol, rtol = TOLERANCES[case.x.dtype]
+    ref = dense_reference(case, base)
+    rows = [t for t, s in enumerate(case.slot_ids) if s >= 0]
+    idle = [t for t, s in enumerate(case.slot_ids) if s < 0]
+    torch.testing.assert_close(out[rows].float(), ref[rows], atol=atol, rtol=rtol)
+    assert torch.equal(out[idle], base[idle])  # the base columns of the wider GEMM, bit for bit
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page", [0, 8])
+@pytest.mark.parametrize("popularity", ["identical", "skewed", "uniform", "zipf"])
+@pytest.mark.parametrize("num_tokens", [1, 7, 64])
+def test_fused_shrink_matches_dense(dtype, page, popularity, num_tokens):
+    case, linear, base = _fused_case(num_tokens, popularity, 3, dtype, page, seed=num_tokens)
+    fs, w = case.slices[0].fused, case.slices[0]
+    out = lora_linear(case.x, linear, case.slices, case.meta)
+    pages = sum(-(-case.meta.slot_ranks[s] // w.page) for s in case.meta.seg_slots_list)
+    packed = lora_ops._pick_backend(case.x, case.meta, case.slices) == "packed"
+    assert (fs.key is not None) == (packed and pages <= fs.cap_pages)  # in the GEMM when packed and it fits
+    _check(out, case, base)
+    assert torch.equal(linear(case.x), base)  # the module alone computes what it did before the attach
+
+
+def test_single_slice_without_bias():
+    case, linear, base = _fused_case(40, "skewed", 2, torch.bfloat16, 8, h_outs=(72,), bias=False, seed=3)
+    out = lora_linear(case.x, linear, case.slices, case.meta)
+    assert case.slices[0].fused.key is not None
+    _check(out, case, base)
+
+
+def test_rows_rewritten_after_a_slot_write():
+    """A new adapter written into an active slot between steps: the rows under the weight follow it."""
+    case, linear, base = _fused_case(24, "uniform", 3, torch.float32, 8, seed=5)
+    _check(lora_linear(case.x, linear, case.slices, case.meta), case, base)
+    slot = case.meta.seg_slots_list[0]
+    gen = torch.Generator().manual_seed(9)
+    for w in case.slices:
+        r = w.ranks_list[slot]
+        w.set_slot(slot, torch.randn(r, 96, generator=gen), torch.randn(w.B.shape[1], r, generator=gen), 0.75)
+    _check(lora_linear(case.x, linear, case.slices, case.meta), case, base)
+
+
+def test_more_pages_than_the_room_falls_back(monkeypatch):
+    """Active adapters needing more rank rows than the room under the weight: the unfused path, same values."""
+    case, linear, base = _fused_case(64, "uniform", 12, torch.float32, 8, seed=6)
+    fs = case.slices[0].fused
+    monkeypatch.setattr(fs, "cap_pages", 2)
+    out = lora_linear(case.x, linear, case.slices, case.meta)
+    assert fs.key is None
+    _check(out, case, base)
+
+
+def test_bgmv_and_forced_backends_are_not_fused(monkeypatch):
+    case, linear, base = _fused_case(64, "uniform", 12, torch.bfloat16, 8, seed=7)
+    monkeypatch.setattr(lora_ops, "PACKED_LIMITS_16BIT", (8, 1 << 20))  # 12 adapters: the bgmv path
+    _check(lora_linear(case.x, linear, case.slices, case.meta), case, base)
+    monkeypatch.setattr(lora_ops, "PACKED_LIMITS_16BIT", (1024, 1 << 20))
+    monkeypatch.setattr(lora_ops, "_backend", "packed")
+    _check(lora_linear(case.x, linear, case.slices, case.meta), case, base)
+    assert case.slices[0].fused.key is None
+
+
+def test_attach_refuses_a_linear_of_other_shape():
+    w = LoRAWeights.empty(2, 8, 16, 24, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="cannot fuse a shrink into a linear of weight"):
+        attach_fused_shrink(torch.nn.Linear(16, 32), [w])
