@@ -12,6 +12,7 @@ to 64.
     python bench/adapter_paging.py                     # the table committed in docs/benchmarks/
     python bench/adapter_paging.py --quick             # a smoke run in about a minute
     python bench/adapter_paging.py --max-loras 8,64    # the same with 8 and with 64 adapter slots
+    python bench/adapter_paging.py --model smollm2-135m-shapes --load-format dummy   # no model file
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                    help="dummy: random weights (e.g. --model smollm2-135m-shapes on a machine without the model file)")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--adapters", default="1,16,256,1024", help="distinct adapter counts to sweep")
     ap.add_argument("--rank", type=int, default=8)
@@ -87,8 +91,9 @@ def main() -> None:
     commit = report_commit()
     runs = [(t, int(m)) for t in target_sets for m in args.max_loras.split(",")]
     for k, (targets, max_loras) in enumerate(runs):
-        llm = LLM(args.model, dtype=args.dtype, max_loras=max_loras, max_cpu_loras=args.max_cpu_loras,
-                  max_lora_rank=64, max_num_seqs=args.max_num_seqs)
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
+                  max_loras=max_loras, max_cpu_loras=args.max_cpu_loras, max_lora_rank=64,
+                  max_num_seqs=args.max_num_seqs)
         cfg = llm.engine.model_config
         # Names are distinct adapters to the engine (each pages through the tiers on its own); their
         # files cycle over --num-files directories so 1,024 adapters do not take gigabytes of disk.

@@ -140,6 +140,12 @@ DUMMY_CONFIGS = {
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096,
         "bos_token_id": 1, "eos_token_id": 2,
     },
+    "smollm2-135m-shapes": {  # the default model's shapes, random weights: benchmarks where its file is absent
+        "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+        "bos_token_id": 1, "eos_token_id": 2,
+    },
     "tiny-llama": {  # tests: a few layers, GQA, odd sizes
         "model_type": "llama", "vocab_size": 512, "hidden_size": 96, "intermediate_size": 200,
         "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2,
