@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 # Projections that LoRA may target, in the order the model applies them. Embeddings and lm_head
 # are never targets (refused by the adapter validator).
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# The same, grouped as the model's fused projections take them (one `add_lora` call each, slices in
+# The same, grouped as the model's fused projections take them (one `lora_linear` call each, slices in
 # this order): the slices of a group share the CPU shrink mirror (`LoRAWeights.empty_group`).
 LORA_FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 

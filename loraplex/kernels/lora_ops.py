@@ -319,6 +319,8 @@ class LoRAStack:
 # Fused-shrink capacity: rank rows per slice under each base weight, the packed path's 16-bit limit on
 # N (an fp32 step past it takes the packed path unfused).
 FUSED_MAX_ROWS = PACKED_LIMITS_16BIT[0]
+# Output widths whose base columns stay bit-identical with rows added under the weight (measured).
+FUSED_WIDTH_MULTIPLE = 16
 
 
 @dataclass
@@ -342,20 +344,29 @@ class FusedShrink:
 
 
 def attach_fused_shrink(linear: nn.Linear, slices: Sequence[LoRAWeights],
-                        max_rows: int = FUSED_MAX_ROWS) -> FusedShrink:
+                        max_rows: int = FUSED_MAX_ROWS) -> FusedShrink | None:
     """Give `linear` (whose output is the slices' outputs side by side) room for `max_rows` rank rows
     per slice under its weight, and hand it to `lora_linear` through slices[0].fused.
 
     The weight parameter is re-pointed at the first H_out rows of the larger buffer: the module keeps
-    computing exactly what it did (the extra rows are only read by `lora_linear`). Measured on this
-    model's shapes, F.linear's base columns are bit-identical with or without extra rows. Raises
-    ValueError when the shapes do not match or the slices have no CPU mirrors.
+    computing exactly what it did (the extra rows are only read by `lora_linear`). The base columns
+    of the wider F.linear are bit-identical to the plain one for output widths that are multiples of
+    FUSED_WIDTH_MULTIPLE (fp32, fp16, bf16, 1 to 512 rows, up to 288 extra rows, the default model's
+    and Llama-7B/Qwen2 shapes); in fp32 a width that is not a multiple of 4 changed the last bit of
+    some base columns at up to 5 rows. So other widths are left unfused: returns None, nothing changed.
+
+    Re-binding the parameter afterwards (`load_state_dict(assign=True)`, `.to(dtype)`) would cut it
+    from the buffer; `lora_linear` then raises. The extra rows are host memory outside the model's
+    parameters (about 1 MB per layer for the default model in bf16). Raises ValueError when the
+    shapes do not match or the slices have no CPU mirrors.
     """
     w0 = slices[0]
     out, h_in = sum(w.B.shape[1] for w in slices), w0.A.shape[2]
     if tuple(linear.weight.shape) != (out, h_in) or any(w.BT is None for w in slices):
         raise ValueError(f"cannot fuse a shrink into a linear of weight {tuple(linear.weight.shape)} for slices of "
                          f"H_in {h_in} and H_out {out} (CPU slot buffers needed)")
+    if out % FUSED_WIDTH_MULTIPLE:
+        return None
     cap_pages = max(1, max_rows // w0.page)
     extra = cap_pages * len(slices) * w0.page
     weight = linear.weight.new_zeros(out + extra, h_in)
@@ -388,6 +399,9 @@ def lora_linear(x: torch.Tensor, linear: nn.Linear, slices: Sequence[LoRAWeights
         plan = fused_plan(meta, slices[0].page, len(slices), fs.cap_pages)
     if plan is None:
         return add_lora(linear(x), x, slices, meta)
+    if linear.weight.data_ptr() != fs.weight.data_ptr() or linear.weight.dtype != fs.weight.dtype:
+        raise RuntimeError("the linear's weight was re-bound after attach_fused_shrink (load_state_dict with "
+                           "assign=True, .to(dtype)?): it no longer shares the buffer with the shrink rows")
     fill_fused_rows(fs, slices, plan)
     n = fs.out + plan["cols"]
     y_ext = F.linear(x, fs.weight[:n], None if fs.bias is None else fs.bias[:n])  # [T, H_out + E]

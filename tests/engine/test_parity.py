@@ -84,6 +84,24 @@ def test_mixed_batch_matches_peft_token_for_token(llm, peft_model, tokenizer):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
+def test_few_adapters_take_the_shrink_inside_the_base_gemm_and_match_peft(llm, peft_model, tokenizer, monkeypatch):
+    """Four adapters whose rank pages fit under the base weights (6 pages of 8 rows): the CPU packed
+    path runs their shrink inside the base GEMMs (`lora_linear`), and every row still equals PEFT."""
+    from loraplex.kernels import lora_ops
+
+    model, _ = peft_model
+    calls = []
+    real = lora_ops.add_lora_fused_packed
+    monkeypatch.setattr(lora_ops, "add_lora_fused_packed", lambda *a: calls.append(1) or real(*a))
+    rows = [None, "qv-r8", "all-linear-rslora-r16", "attn-patterns-r4", "layers-r8", None]
+    prompts = [chat_ids(tokenizer, PROMPTS[i % len(PROMPTS)]) for i in range(len(rows))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0), adapters=rows)
+    assert calls, "the fused shrink was not used"
+    for row, ids, out in zip(rows, prompts, outs, strict=True):
+        exp = peft_generate(model, ids, row, MAX_NEW)
+        assert out.token_ids == exp[:len(out.token_ids)], f"adapter {row}: {out.token_ids} != {exp}"
+
+
 def test_first_step_logits_within_1e3_of_peft(llm, peft_model, tokenizer):
     model, _ = peft_model
     engine = llm.engine

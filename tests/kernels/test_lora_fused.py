@@ -40,7 +40,7 @@ def _check(out, case, base):
     assert torch.equal(out[idle], base[idle])  # the base columns of the wider GEMM, bit for bit
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("page", [0, 8])
 @pytest.mark.parametrize("popularity", ["identical", "skewed", "uniform", "zipf"])
 @pytest.mark.parametrize("num_tokens", [1, 7, 64])
@@ -56,7 +56,7 @@ def test_fused_shrink_matches_dense(dtype, page, popularity, num_tokens):
 
 
 def test_single_slice_without_bias():
-    case, linear, base = _fused_case(40, "skewed", 2, torch.bfloat16, 8, h_outs=(72,), bias=False, seed=3)
+    case, linear, base = _fused_case(40, "skewed", 2, torch.bfloat16, 8, h_outs=(80,), bias=False, seed=3)
     out = lora_linear(case.x, linear, case.slices, case.meta)
     assert case.slices[0].fused.key is not None
     _check(out, case, base)
@@ -98,3 +98,31 @@ def test_attach_refuses_a_linear_of_other_shape():
     w = LoRAWeights.empty(2, 8, 16, 24, torch.float32, "cpu")
     with pytest.raises(ValueError, match="cannot fuse a shrink into a linear of weight"):
         attach_fused_shrink(torch.nn.Linear(16, 32), [w])
+
+
+def test_a_slice_the_adapters_leave_alone():
+    """Adapters with rank 0 in the middle slice (k_proj untargeted): its columns stay the base output."""
+    case, linear, base = _fused_case(33, "uniform", 3, torch.float32, 8, seed=8)
+    for s in case.meta.seg_slots_list:
+        case.slices[1].set_slot(s, None, None, 0.0)
+    out = lora_linear(case.x, linear, case.slices, case.meta)
+    assert case.slices[0].fused.key is not None
+    _check(out, case, base)
+    assert torch.equal(out[:, 80:104], base[:, 80:104])
+
+
+def test_widths_not_a_multiple_of_16_stay_unfused():
+    """An output width whose fp32 GEMM is not bit-stable with extra rows: nothing is attached."""
+    w = LoRAWeights.empty(2, 8, 16, 75, torch.float32, "cpu")
+    linear = torch.nn.Linear(16, 75)
+    weight = linear.weight
+    assert attach_fused_shrink(linear, [w]) is None and w.fused is None and linear.weight is weight
+
+
+def test_a_weight_rebound_after_the_attach_is_refused():
+    case, linear, _ = _fused_case(24, "uniform", 3, torch.float32, 8, seed=5)
+    lora_linear(case.x, linear, case.slices, case.meta)
+    assert case.slices[0].fused.key is not None
+    linear.load_state_dict({k: v.clone() for k, v in linear.state_dict().items()}, assign=True)
+    with pytest.raises(RuntimeError, match="re-bound after attach_fused_shrink"):
+        lora_linear(case.x, linear, case.slices, case.meta)
