@@ -37,9 +37,11 @@ ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 TARGETS = {"qkvo": ALL[:4], "all": ALL}
 
 
-def workload(num_requests: int, num_adapters: int, seed: int, prompt_len, output_len):
+def workload(num_requests: int, num_adapters: int, seed: int, prompt_len, output_len, vocab_size: int):
+    """(prompts, output lengths, adapter names): token ids below the vocabulary (and 40,000)."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(*prompt_len))] for _ in range(num_requests)]
+    top = min(40000, vocab_size)
+    prompts = [[rng.randrange(100, top) for _ in range(rng.randint(*prompt_len))] for _ in range(num_requests)]
     outputs = [rng.randint(*output_len) for _ in range(num_requests)]
     weights = [1 / (i + 1) for i in range(num_adapters)]
     names = rng.choices([f"a{i}" for i in range(num_adapters)], weights=weights, k=num_requests)
@@ -104,7 +106,8 @@ def main() -> None:
         for i in range(max(counts)):
             llm.load_adapter(f"a{i}", tmp / targets / f"f{i % args.num_files}")
         # Untimed warm-up on the real workload: the first large batch pays for first-touch allocations.
-        run(llm, *workload(args.num_requests, 1, args.seed, prompt_len, output_len)[:2], [None] * args.num_requests)
+        run(llm, *workload(args.num_requests, 1, args.seed, prompt_len, output_len, cfg.vocab_size)[:2],
+            [None] * args.num_requests)
         print(f"# adapter paging, {args.num_requests} requests, rank {args.rank} on {'/'.join(TARGETS[targets])}, "
               f"max_loras {max_loras} (max_lora_rank 64), max_cpu_loras {args.max_cpu_loras}, "
               f"dtype {llm.engine.dtype}, commit {commit}\n")
@@ -112,7 +115,8 @@ def main() -> None:
               "| slot hit rate | disk loads |")
         print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for n in counts:
-            prompts, outputs, names = workload(args.num_requests, n, args.seed, prompt_len, output_len)
+            prompts, outputs, names = workload(args.num_requests, n, args.seed, prompt_len, output_len,
+                                               cfg.vocab_size)
             base_s, base_tokens = run(llm, prompts, outputs, [None] * len(prompts))
             before = llm.adapter_stats()["tiers"]
             steps, rows = llm.engine.num_steps, llm.engine.num_batched_rows
