@@ -190,10 +190,13 @@ def _zero_rows(buf, phys: int, row: int, n: int, page: int, col: int) -> None:
 def _copy_rows(buf, phys: int, row: int, A: torch.Tensor, B: torch.Tensor, scale, page: int, col: int) -> None:
     """Write A [..., r, H_in] and B [..., H_out, r] at rank rows row .. row + r - 1 of physical slot
     `phys` of buf (as `_zero_rows`), and the mirrors: AT from A, BT from B scaled by `scale` (a float,
-    or a [L, 1, 1] tensor of per-layer scales)."""
+    or a [L, 1, 1] tensor of per-layer scales). Host-to-CUDA copies are asynchronous on the current
+    stream (the manager's side copy stream) when the sources are pinned, as the manager's loads are;
+    PyTorch's pinned-memory allocator keeps a source whose tensor is freed alive until its copy is
+    done. Elsewhere non_blocking changes nothing."""
     r = A.shape[-2]
-    buf.A[..., phys, row:row + r, :].copy_(A)
-    buf.B[..., phys, :, row:row + r].copy_(B)
+    buf.A[..., phys, row:row + r, :].copy_(A, non_blocking=True)
+    buf.B[..., phys, :, row:row + r].copy_(B, non_blocking=True)
     if buf.AT is not None:
         _at_pages(buf.AT[..., phys, :, :, :], row, r, page, col).copy_(_as_pages(A, page))
         buf.BT[..., phys, row:row + r, :].copy_((B.float() * scale).transpose(-1, -2))
