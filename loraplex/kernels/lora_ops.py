@@ -77,9 +77,9 @@ class LoRAWeights:
     hold zeros. On CPU, `BT` [S, R, H_out] mirrors B transposed and scaled by each adapter's scale, and
     `AT` [S, P, H_in, W] (P = R / page pages per physical slot) mirrors A transposed: page p of slot
     s is AT[s, p, :, at_col:at_col + page], its H_in table rows contiguous so one row's gather streams
-    them (pages interleaved by h cost 165 against 104 us per q/k/v shrink, bench with 30 layers). The slices of one fused projection (q, k, v; gate, up)
-    share one AT with W = k x page, their pages side by side (`empty_group`), so one gather shrinks
-    all k slices; alone, W = page. These are the tables the CPU gather path (`add_lora_bgmv`) reads.
+    them (pages interleaved by h cost 165 against 104 us per q/k/v shrink, 30 layers' tables in play).
+    The slices of one fused projection (q, k, v; gate, up) share one AT with W = k x page, their pages
+    side by side (`empty_group`), so one gather shrinks all k slices; alone, W = page. These are the tables the CPU gather path (`add_lora_bgmv`) reads.
     """
 
     A: torch.Tensor
