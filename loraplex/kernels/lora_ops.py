@@ -12,9 +12,9 @@ Backends: "triton" (SGMV kernels, CUDA), "segmented" (PyTorch reference, one mat
 segment), "packed" (PyTorch, one matmul pair for all adapters; CPU path for few adapters), "bgmv"
 (PyTorch `embedding_bag`, each row reads only its own adapter; CPU path for many adapters, with
 prefill-sized segments split off to "packed"). `LORAPLEX_LORA_BACKEND` or `set_backend` forces one;
-"auto" picks Triton on CUDA, and on CPU packed up to N <= 48 (bf16/fp16), else bgmv. Forcing "triton" on CPU
-tensors runs the kernels in the Triton interpreter, which needs TRITON_INTERPRET=1 set before the
-kernels module is first imported (tests).
+"auto" picks Triton on CUDA, and on CPU packed up to N <= 48 (bf16/fp16), else bgmv. Forcing
+"triton" on CPU tensors runs the kernels in the Triton interpreter, which needs TRITON_INTERPRET=1 set
+before the kernels module is first imported (tests).
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ class LoRAWeights:
     s is AT[s, p, :, at_col:at_col + page], its H_in table rows contiguous so one row's gather streams
     them (pages interleaved by h cost 165 against 104 us per q/k/v shrink, 30 layers' tables in play).
     The slices of one fused projection (q, k, v; gate, up) share one AT with W = k x page, their pages
-    side by side (`empty_group`), so one gather shrinks all k slices; alone, W = page. These are the tables the CPU gather path (`add_lora_bgmv`) reads.
+    side by side (`empty_group`), so one gather shrinks all k slices; alone, W = page. These are the
+    tables the CPU gather path (`add_lora_bgmv`) reads.
     """
 
     A: torch.Tensor
@@ -397,11 +398,10 @@ def lora_linear(x: torch.Tensor, linear: nn.Linear, slices: Sequence[LoRAWeights
     if fs is None or _backend != "auto" or not meta.has_lora or all(
             w.live.isdisjoint(meta.seg_slots_list) for w in slices):
         return add_lora(linear(x), x, slices, meta)
-    plan = None
-    if _pick_backend(x, meta, slices) == "packed":
-        plan = fused_plan(meta, slices[0].page, len(slices), fs.cap_pages)
+    backend = _pick_backend(x, meta, slices)
+    plan = fused_plan(meta, slices[0].page, len(slices), fs.cap_pages) if backend == "packed" else None
     if plan is None:
-        return add_lora(linear(x), x, slices, meta)
+        return _dispatch(linear(x), x, slices, meta, _offsets(slices), backend)
     if linear.weight.data_ptr() != fs.weight.data_ptr() or linear.weight.dtype != fs.weight.dtype:
         raise RuntimeError("the linear's weight was re-bound after attach_fused_shrink (load_state_dict with "
                            "assign=True, .to(dtype)?): it no longer shares the buffer with the shrink rows")
@@ -471,23 +471,27 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, slices: Sequence[LoRAWeights], me
         return y
     if all(w.live.isdisjoint(meta.seg_slots_list) for w in slices):
         return y  # no adapter in this step targets this projection (e.g. q/k/v/o-only adapters on the MLP)
-    if offsets is None:
-        offsets = _offsets(slices)
-    backend = _pick_backend(x, meta, slices)
+    return _dispatch(y, x, slices, meta, list(offsets) if offsets is not None else _offsets(slices),
+                     _pick_backend(x, meta, slices))
+
+
+def _dispatch(y: torch.Tensor, x: torch.Tensor, slices: Sequence[LoRAWeights], meta: LoRAMeta,
+              offsets: list[int], backend: str) -> torch.Tensor:
+    """`add_lora` past its early returns, on the backend already picked."""
     if backend == "packed":
-        return add_lora_packed(y, x, slices, meta, list(offsets))
+        return add_lora_packed(y, x, slices, meta, offsets)
     if backend == "bgmv":
         if any(w.AT is None for w in slices):
             raise ValueError("the bgmv path reads the CPU mirrors of LoRAWeights.empty(device='cpu')")
         # prefill chunks through dense matmuls, the rest gathered per row (forced bgmv: every row)
         long, short = _split_long_segments(meta) if _backend == "auto" else (None, meta)
         if long is not None:
-            add_lora_dense_segments(y, x, slices, long, list(offsets))
+            add_lora_dense_segments(y, x, slices, long, offsets)
         if short is not None:
-            add_lora_bgmv(y, x, slices, short, list(offsets))
+            add_lora_bgmv(y, x, slices, short, offsets)
         return y
     if backend == "triton":
         from loraplex.kernels.triton_sgmv import add_lora_triton
 
-        return add_lora_triton(y, x, slices, meta, list(offsets))
-    return add_lora_segmented(y, x, slices, meta, list(offsets))
+        return add_lora_triton(y, x, slices, meta, offsets)
+    return add_lora_segmented(y, x, slices, meta, offsets)
