@@ -14,7 +14,7 @@ import torch
 
 from loraplex.adapters.manager import AdapterInUseError, AdapterManager
 from loraplex.engine.block_manager import BlockManager, cdiv
-from loraplex.engine.config import EngineConfig, ModelConfig
+from loraplex.engine.config import LORA_FUSED_GROUPS, EngineConfig, ModelConfig
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.loader import DUMMY_CONFIGS, iter_safetensors, load_config, resolve_model
 from loraplex.engine.model import LlamaModel
@@ -104,10 +104,8 @@ class LLMEngine:
             layer.self_attn.lora = {m: buffers[m] for m in ("q_proj", "k_proj", "v_proj", "o_proj")}
             layer.mlp.lora = {m: buffers[m] for m in ("gate_proj", "up_proj", "down_proj")}
             if self.device.type == "cpu" and self.config.max_loras:  # shrink inside the base GEMMs (kernels docs)
-                for linear, group in ((layer.self_attn.qkv_proj, ("q_proj", "k_proj", "v_proj")),
-                                      (layer.self_attn.o_proj, ("o_proj",)),
-                                      (layer.mlp.gate_up_proj, ("gate_proj", "up_proj")),
-                                      (layer.mlp.down_proj, ("down_proj",))):
+                linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                for linear, group in zip(linears, LORA_FUSED_GROUPS, strict=True):
                     attach_fused_shrink(linear, [buffers[m] for m in group])
         self.scheduler = Scheduler(self.config, self.block_manager, self.adapters)
         self.runner = ModelRunner(self.model, self.block_manager, self.dtype, self.device)
