@@ -67,6 +67,14 @@ def add_lora_segmented(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
     return y
 
 
+def _add_at(y: torch.Tensor, off: int, delta: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """y[rows, off:off + width] += delta ([len(rows), width]); every row of y when rows is None."""
+    if rows is None:
+        y[:, off:off + delta.shape[1]] += delta
+    else:
+        y[:, off:off + delta.shape[1]].index_add_(0, rows, delta)
+
+
 def _packed_columns(meta: LoRAMeta, device: torch.device):
     """Columns of the packed path: for each active slot, ranks 0..slot_ranks[s]-1 (cached on meta)."""
     if meta._packed is None:
@@ -116,11 +124,7 @@ def add_lora_packed(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
         offsets = offsets[:1]
     n = v.shape[1] // len(bs)
     for i, (b, off) in enumerate(zip(bs, offsets, strict=True)):
-        delta = (v[:, i * n:(i + 1) * n] @ b).to(y.dtype)  # [T_a, H_out]
-        if rows is None:
-            y[:, off:off + b.shape[1]] += delta
-        else:
-            y[:, off:off + b.shape[1]].index_add_(0, rows, delta)
+        _add_at(y, off, (v[:, i * n:(i + 1) * n] @ b).to(y.dtype), rows)  # delta [T_a, H_out]
     return y
 
 
@@ -194,7 +198,7 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
     rows, n_max = plan["rows"], plan["n_max"]
     xs = x if rows is None else x.index_select(0, rows)  # [T_a, H_in]
     h_in = x.shape[1]
-    s_idx, s_off, s_valid = _bgmv_shrink_index(plan, slices[0], h_in)
+    s_idx, s_off, s_valid = _bgmv_shrink_index(plan, h_in)
     if n_max == 1:
         xw = xs.reshape(-1)  # [T_a H_in]
     else:
@@ -214,11 +218,7 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
         vw = v.reshape(-1) if plan["e_valid"] is None else v[plan["e_valid"]]
         delta = F.embedding_bag(plan["e_idx"], bt_table, plan["e_off"], mode="sum",
                                 per_sample_weights=vw)  # [T_a, H_out]
-        h_out = bt_table.shape[1]
-        if rows is None:
-            y[:, off:off + h_out] += delta
-        else:
-            y[:, off:off + h_out].index_add_(0, rows, delta)
+        _add_at(y, off, delta, rows)
     return y
 
 
@@ -246,16 +246,15 @@ def _bgmv_plan(meta: LoRAMeta, w) -> dict:
     return plan
 
 
-def _bgmv_shrink_index(plan: dict, w, h_in: int):
+def _bgmv_shrink_index(plan: dict, h_in: int):
     """(indices, offsets, valid) of the shrink bags for inputs of width h_in (cached in the plan):
-    bag (t, j) for j < n_max holds table rows (physical slot, first page + j, h) for h < h_in; bags
-    past a row's own pages are empty (they sum to zero) and valid marks the others (None: all)."""
-    key = ("shrink", h_in, w.A.shape[1])
+    bag (t, j) for j < n_max holds table rows (virtual page sid_t + j, h) for h < h_in, i.e. rows
+    (physical slot, first page + j, h) of AT; bags past a row's own pages are empty (they sum to zero)
+    and valid marks the others (None: all)."""
+    key = ("shrink", h_in)
     if key not in plan:
-        per_slot = w.A.shape[1] // w.page  # pages per physical slot
-        phys, first = plan["sid"] // per_slot, plan["sid"] % per_slot  # [T_a]
         j = torch.arange(plan["n_max"])
-        page_row = ((phys * per_slot + first)[:, None] + j[None, :]) * h_in  # [T_a, n_max] first table row
+        page_row = (plan["sid"][:, None] + j[None, :]) * h_in  # [T_a, n_max] (sid_t + j) x H_in
         idx = page_row[:, :, None] + torch.arange(h_in)  # [T_a, n_max, H_in]
         valid = None if plan["e_valid"] is None else j[None, :] < plan["pages"][:, None]  # [T_a, n_max]
         lengths = torch.full((idx.shape[0] * plan["n_max"],), h_in) if valid is None else valid.flatten() * h_in
@@ -345,8 +344,5 @@ def add_lora_fused_packed(y: torch.Tensor, v: torch.Tensor, slices, meta: LoRAMe
             deltas.append((off, vs[:, :, i].reshape(v.shape[0], -1) @ b))  # [T_a, H_out_i]
             off += b.shape[1]
     for off, delta in deltas:
-        if rows is None:
-            y[:, off:off + delta.shape[1]] += delta
-        else:
-            y[:, off:off + delta.shape[1]].index_add_(0, rows, delta)
+        _add_at(y, off, delta, rows)
     return y
