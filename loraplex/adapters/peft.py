@@ -167,7 +167,8 @@ def load_peft_files(
     For callers that hold the files elsewhere than a save_pretrained directory (an upload in a temp
     dir). `name` defaults to the name of the file's directory, `path` to that directory. Tensors are
     returned in `dtype` (converted after the finiteness check, and checked again so that a float16
-    overflow is refused too), as views into one stacked tensor per projection (`LoRAAdapter.stacked`). Raises AdapterError naming the field or tensor at fault.
+    overflow is refused too), as views into one stacked tensor per projection (`LoRAAdapter.stacked`).
+    Raises AdapterError naming the field or tensor at fault.
     """
     tensors_path = os.fspath(tensors_path)
     identity = _identity(os.stat(tensors_path))  # before the header: the data must come from this file
@@ -343,8 +344,8 @@ def read_planned(plan: ReadPlan, name: str, dtype: torch.dtype) -> LoRAAdapter |
 
 
 def _read_stacked(tensors_path: str, identity: tuple[int, ...], header: dict[str, TensorInfo],
-                  found: dict[tuple[int, str], dict[str, str]], specs: dict[tuple[int, str], LoRAModuleSpec], model_config: ModelConfig,
-                  dtype: torch.dtype) -> dict[str, StackedModule]:
+                  found: dict[tuple[int, str], dict[str, str]], specs: dict[tuple[int, str], LoRAModuleSpec],
+                  model_config: ModelConfig, dtype: torch.dtype) -> dict[str, StackedModule]:
     """Read the file once and stack each projection's layers ([L, r, H_in] and [L, H_out, r]) in `dtype`.
 
     The header is validated already, so the tensors tile the data section: with one dtype in the file
