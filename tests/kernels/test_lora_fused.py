@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from lora_cases import DEVICE, TOLERANCES, dense_reference, make_case
+from lora_cases import DEVICE, assert_matches, make_case
 
 from loraplex.kernels import lora_ops
 from loraplex.kernels.lora_ops import LoRAWeights, attach_fused_shrink, lora_linear
@@ -31,15 +31,6 @@ def _fused_case(num_tokens, popularity, num_adapters, dtype, page, h_outs=(80, 2
     return case, linear, base
 
 
-def _check(out, case, base):
-    atol, rtol = TOLERANCES[case.x.dtype]
-    ref = dense_reference(case, base)
-    rows = [t for t, s in enumerate(case.slot_ids) if s >= 0]
-    idle = [t for t, s in enumerate(case.slot_ids) if s < 0]
-    torch.testing.assert_close(out[rows].float(), ref[rows], atol=atol, rtol=rtol)
-    assert torch.equal(out[idle], base[idle])  # the base columns of the wider GEMM, bit for bit
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("page", [0, 8])
 @pytest.mark.parametrize("popularity", ["identical", "skewed", "uniform", "zipf"])
@@ -51,7 +42,7 @@ def test_fused_shrink_matches_dense(dtype, page, popularity, num_tokens):
     pages = sum(-(-case.meta.slot_ranks[s] // w.page) for s in case.meta.seg_slots_list)
     packed = lora_ops._pick_backend(case.x, case.meta, case.slices) == "packed"
     assert (fs.key is not None) == (packed and pages <= fs.cap_pages)  # in the GEMM when packed and it fits
-    _check(out, case, base)
+    assert_matches(out, case, base)
     assert torch.equal(linear(case.x), base)  # the module alone computes what it did before the attach
 
 
@@ -59,19 +50,19 @@ def test_single_slice_without_bias():
     case, linear, base = _fused_case(40, "skewed", 2, torch.bfloat16, 8, h_outs=(80,), bias=False, seed=3)
     out = lora_linear(case.x, linear, case.slices, case.meta)
     assert case.slices[0].fused.key is not None
-    _check(out, case, base)
+    assert_matches(out, case, base)
 
 
 def test_rows_rewritten_after_a_slot_write():
     """A new adapter written into an active slot between steps: the rows under the weight follow it."""
     case, linear, base = _fused_case(24, "uniform", 3, torch.float32, 8, seed=5)
-    _check(lora_linear(case.x, linear, case.slices, case.meta), case, base)
+    assert_matches(lora_linear(case.x, linear, case.slices, case.meta), case, base)
     slot = case.meta.seg_slots_list[0]
     gen = torch.Generator().manual_seed(9)
     for w in case.slices:
         r = w.ranks_list[slot]
         w.set_slot(slot, torch.randn(r, 96, generator=gen), torch.randn(w.B.shape[1], r, generator=gen), 0.75)
-    _check(lora_linear(case.x, linear, case.slices, case.meta), case, base)
+    assert_matches(lora_linear(case.x, linear, case.slices, case.meta), case, base)
 
 
 def test_more_pages_than_the_room_falls_back(monkeypatch):
@@ -81,16 +72,16 @@ def test_more_pages_than_the_room_falls_back(monkeypatch):
     monkeypatch.setattr(fs, "cap_pages", 2)
     out = lora_linear(case.x, linear, case.slices, case.meta)
     assert fs.key is None
-    _check(out, case, base)
+    assert_matches(out, case, base)
 
 
 def test_bgmv_and_forced_backends_are_not_fused(monkeypatch):
     case, linear, base = _fused_case(64, "uniform", 12, torch.bfloat16, 8, seed=7)
     monkeypatch.setattr(lora_ops, "PACKED_LIMITS_16BIT", (8, 1 << 20))  # 12 adapters: the bgmv path
-    _check(lora_linear(case.x, linear, case.slices, case.meta), case, base)
+    assert_matches(lora_linear(case.x, linear, case.slices, case.meta), case, base)
     monkeypatch.setattr(lora_ops, "PACKED_LIMITS_16BIT", (1024, 1 << 20))
     monkeypatch.setattr(lora_ops, "_backend", "packed")
-    _check(lora_linear(case.x, linear, case.slices, case.meta), case, base)
+    assert_matches(lora_linear(case.x, linear, case.slices, case.meta), case, base)
     assert case.slices[0].fused.key is None
 
 
@@ -107,7 +98,7 @@ def test_a_slice_the_adapters_leave_alone():
         case.slices[1].set_slot(s, None, None, 0.0)
     out = lora_linear(case.x, linear, case.slices, case.meta)
     assert case.slices[0].fused.key is not None
-    _check(out, case, base)
+    assert_matches(out, case, base)
     assert torch.equal(out[:, 80:104], base[:, 80:104])
 
 
