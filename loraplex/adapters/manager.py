@@ -354,7 +354,8 @@ class AdapterManager:
             raise RuntimeError(f"no free or evictable pages for adapter {name!r}")
         with self._on_copy_stream():
             for owner in self._owners(start, self._pages_for(self.cpu[name].rank)):
-                self._evict(owner)
+                # the owner at `start` is overwritten by the copy, which zeroes only what it leaves of its rows
+                self._evict(owner, zero=self.slot_of[owner] != start)
             self._copy_in(name, start)
         return start
 
@@ -399,11 +400,13 @@ class AdapterManager:
         self._run_cache.clear()
         self.stats["gpu"]["load_s"].append(time.perf_counter() - start)
 
-    def _evict(self, name: str) -> None:
-        """Free `name`'s pages and zero its rows in every buffer: rows no adapter owns stay zero."""
+    def _evict(self, name: str, zero: bool = True) -> None:
+        """Free `name`'s pages and zero its rows in every buffer: rows no adapter owns stay zero. With
+        zero False the rows stay for the write that replaces it at the same virtual slot (`_place`)."""
         assert not self.refcount.get(name), f"evicting pinned adapter {name!r}"
         slot = self.slot_of.pop(name)
-        self._write(slot, None)
+        if zero:
+            self._write(slot, None)
         n = self._pages_for(self.slot_ranks[slot])
         self.owner[slot:slot + n] = [None] * n
         self.slot_ranks[slot] = 0

@@ -151,15 +151,15 @@ class LoRAWeights:
     def set_slot(self, slot: int, A: torch.Tensor | None, B: torch.Tensor | None, scale: float) -> None:
         """Write one adapter's weights at virtual slot `slot`: A [r, H_in], B [H_out, r]; None clears it.
 
-        The rows the slot's previous adapter wrote are zeroed first, so rows nobody owns stay zero for
-        the packed path and the kernels. Raises ValueError when the weights do not fit the buffers or
+        What the new weights leave of the rows the slot's previous adapter wrote is zeroed, so rows
+        nobody owns stay zero for the packed path and the kernels. Raises ValueError when the weights do not fit the buffers or
         run past the end of the physical slot.
         """
         self.version += 1  # invalidates weights cached for the packed path
         if not 0 <= slot < self.num_virtual_slots:
             raise ValueError(f"virtual slot {slot} out of range [0, {self.num_virtual_slots})")
         phys, row = self.locate(slot)
-        _zero_rows(self, phys, row, self.ranks_list[slot], self.page, self.at_col)
+        old = self.ranks_list[slot]
         if A is None:
             r, scale = 0, 0.0
         else:
@@ -167,8 +167,9 @@ class LoRAWeights:
             if row + r > self.A.shape[1] or A.shape[1] != self.A.shape[2] or tuple(B.shape) != (self.B.shape[1], r):
                 raise ValueError(f"adapter weights A{tuple(A.shape)} B{tuple(B.shape)} do not fit slot "
                                  f"buffers A{tuple(self.A.shape[1:])} B{tuple(self.B.shape[1:])} at rank row {row}")
-            self.ranks_list[slot] = r  # before the copies: if one fails, a later clear zeroes these rows
+            self.ranks_list[slot] = max(r, old)  # before the copies: if one fails, a later clear zeroes these rows
             _copy_rows(self, phys, row, A, B, scale, self.page, self.at_col)
+        _zero_rows(self, phys, row, old, self.page, self.at_col, keep=r)
         self.ranks[slot] = r
         self.scales[slot] = scale
         self.ranks_list[slot] = r
@@ -176,16 +177,21 @@ class LoRAWeights:
         (self.live.add if r else self.live.discard)(slot)
 
 
-def _zero_rows(buf, phys: int, row: int, n: int, page: int, col: int) -> None:
-    """Zero rank rows row .. row + n - 1 of physical slot `phys` in buf's A, B and CPU mirrors; `buf` is
-    a `LoRAWeights` (A [S, R, H_in]) or a `LoRAStack` (the same with a leading layer dim)."""
-    if not n:
+def _zero_rows(buf, phys: int, row: int, n: int, page: int, col: int, keep: int = 0) -> None:
+    """Zero rank rows row + keep .. row + n - 1 of physical slot `phys` in buf's A, B and CPU mirrors
+    (in AT, the pages past those holding the first `keep` rows, which `_copy_rows` just wrote whole);
+    `buf` is a `LoRAWeights` (A [S, R, H_in]) or a `LoRAStack` (the same with a leading layer dim).
+    A write zeroes only what it leaves of the previous adapter's rows: rewriting a rank-8 slot with
+    another rank-8 adapter zeroes nothing (half the copies of a slot swap)."""
+    if n <= keep:
         return
-    buf.A[..., phys, row:row + n, :].zero_()
-    buf.B[..., phys, :, row:row + n].zero_()
+    buf.A[..., phys, row + keep:row + n, :].zero_()
+    buf.B[..., phys, :, row + keep:row + n].zero_()
     if buf.AT is not None:
-        _at_pages(buf.AT[..., phys, :, :, :], row, n, page, col).zero_()
-        buf.BT[..., phys, row:row + n, :].zero_()
+        kept = -(-keep // page) * page  # rows of the pages the copy wrote whole
+        if n > kept:
+            _at_pages(buf.AT[..., phys, :, :, :], row + kept, n - kept, page, col).zero_()
+        buf.BT[..., phys, row + keep:row + n, :].zero_()
 
 
 def _copy_rows(buf, phys: int, row: int, A: torch.Tensor, B: torch.Tensor, scale, page: int, col: int) -> None:
@@ -281,7 +287,7 @@ class LoRAStack:
                  scales: Sequence[float] = ()) -> None:
         """Write one adapter at virtual slot `slot` of every layer: A [L, r, H_in], B [L, H_out, r] (zero
         past each layer's own rank), `ranks` and `scales` per layer (0 for a layer it leaves alone);
-        A None clears the slot. Zeroes the rows the previous write there filled first. Raises ValueError
+        A None clears the slot. Zeroes what this write leaves of the rows the previous one filled. Raises ValueError
         when the weights do not fit the buffers or run past the end of the physical slot."""
         layer0 = self.layers[0]
         if not 0 <= slot < layer0.num_virtual_slots:
@@ -292,7 +298,6 @@ class LoRAStack:
         for w in self.layers:
             w.version += 1  # invalidates weights cached for the packed path
         phys, row = layer0.locate(slot)
-        _zero_rows(self, phys, row, old, layer0.page, self.at_col)
         num_layers = len(self.layers)
         if A is None:
             r, ranks, scales = 0, [0] * num_layers, [0.0] * num_layers
@@ -304,10 +309,11 @@ class LoRAStack:
                 raise ValueError(f"adapter weights A{tuple(A.shape)} B{tuple(B.shape)} with {len(ranks)} ranks do "
                                  f"not fit slot buffers of {num_layers} layers, max rank {self.A.shape[2]}, "
                                  f"H_in {self.A.shape[3]}, H_out {self.B.shape[2]} at rank row {row}")
-            self.rows[slot] = r  # before the copies: if one fails, a later clear zeroes these rows
+            self.rows[slot] = max(r, old)  # before the copies: if one fails, a later clear zeroes these rows
             one = len(set(scales)) == 1  # one scaling for every layer: no tensor of them to build
             scale = float(scales[0]) if one else torch.tensor(scales, dtype=torch.float32)[:, None, None]
             _copy_rows(self, phys, row, A, B, scale, layer0.page, self.at_col)
+        _zero_rows(self, phys, row, old, layer0.page, self.at_col, keep=r)
         self.rows[slot] = r
         for buffer, values, dtype in ((self.ranks, ranks, torch.int32), (self.scales, scales, torch.float32)):
             if len(set(values)) == 1:

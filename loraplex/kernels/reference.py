@@ -14,7 +14,6 @@ Rows with slot -1 are never written, so they keep exactly the base model's outpu
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from loraplex.kernels.metadata import LoRAMeta
 
@@ -197,27 +196,27 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
     plan = _bgmv_plan(meta, slices[0])
     rows, n_max = plan["rows"], plan["n_max"]
     xs = x if rows is None else x.index_select(0, rows)  # [T_a, H_in]
-    h_in = x.shape[1]
-    s_idx, s_off, s_valid = _bgmv_shrink_index(plan, h_in)
+    t_a = xs.shape[0]
+    s_idx, s_off, s_valid = _bgmv_shrink_index(plan, x.shape[1])
     if n_max == 1:
         xw = xs.reshape(-1)  # [T_a H_in]
     else:
         xw = xs.unsqueeze(1).expand(-1, n_max, -1)  # [T_a, n_max, H_in]
         xw = xw.reshape(-1) if s_valid is None else xw[s_valid].reshape(-1)
-    shrunk: dict[int, torch.Tensor] = {}  # AT's data_ptr (each slice holds its own view) -> [T_a, n_max W]
+    e_idx, e_off, e_valid = plan["e_idx"], plan["e_off"], plan["e_valid"]
+    active = plan["active"]
+    v = None  # [T_a, n_max W], shared by the slices (they share AT)
     for w, off in zip(slices, offsets, strict=True):
-        if w.live.isdisjoint(meta.seg_slots_list):
+        if w.live.isdisjoint(active):
             continue  # no adapter of this step touches this slice
         at_table, bt_table = w.tables()
-        v = shrunk.get(at_table.data_ptr())
-        if v is None:  # [T_a n_max, W] -> [T_a, n_max W]
-            v = F.embedding_bag(s_idx, at_table, s_off, mode="sum", per_sample_weights=xw).view(xs.shape[0], -1)
-            shrunk[at_table.data_ptr()] = v
+        if v is None:  # torch.embedding_bag, not F.embedding_bag: the functional's checks cost ~3 us a call
+            v = torch.embedding_bag(at_table, s_idx, s_off, False, 0, False, xw)[0].view(t_a, -1)
+        vs = v
         if at_table.shape[1] != w.page:  # this slice's pages among the group's: [T_a, n_max page]
-            v = v.view(xs.shape[0], n_max, -1)[:, :, w.at_col:w.at_col + w.page].reshape(xs.shape[0], -1)
-        vw = v.reshape(-1) if plan["e_valid"] is None else v[plan["e_valid"]]
-        delta = F.embedding_bag(plan["e_idx"], bt_table, plan["e_off"], mode="sum",
-                                per_sample_weights=vw)  # [T_a, H_out]
+            vs = v.view(t_a, n_max, -1)[:, :, w.at_col:w.at_col + w.page].reshape(t_a, -1)
+        vw = vs.reshape(-1) if e_valid is None else vs[e_valid]
+        delta = torch.embedding_bag(bt_table, e_idx, e_off, False, 0, False, vw)[0]  # [T_a, H_out]
         _add_at(y, off, delta, rows)
     return y
 
@@ -240,6 +239,7 @@ def _bgmv_plan(meta: LoRAMeta, w) -> dict:
     e_idx = sid[:, None] * w.page + cols[None, :]  # [T_a, n_max page] rank rows of BT viewed [S x R, H_out]
     lengths = pages * w.page
     plan = {"rows": rows, "sid": sid, "pages": pages, "n_max": n_max, "e_valid": e_valid,
+            "active": frozenset(meta.seg_slots_list),
             "e_idx": e_idx.flatten() if e_valid is None else e_idx[e_valid],
             "e_off": torch.cumsum(lengths, 0) - lengths}
     meta._bgmv[w.page] = plan

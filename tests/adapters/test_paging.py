@@ -41,10 +41,10 @@ def watch_pinned_evictions(mgr) -> list[str]:
     evicted_pinned: list[str] = []
     original_evict = mgr._evict
 
-    def checked_evict(name):
+    def checked_evict(name, **kwargs):
         if mgr.refcount.get(name):
             evicted_pinned.append(name)
-        original_evict(name)
+        original_evict(name, **kwargs)
 
     mgr._evict = checked_evict
     return evicted_pinned

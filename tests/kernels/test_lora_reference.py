@@ -231,6 +231,37 @@ def test_stack_writes_every_layer_as_per_layer_writes_would():
         stack.set_slot(0, torch.zeros(L - 1, 4, H_in), torch.zeros(L - 1, H_out, 4), [4] * 2, [1.0] * 2)
 
 
+@pytest.mark.parametrize("ranks", [(16, 4), (12, 5), (6, 3), (3, 6), (8, 8), (5, 12)])
+def test_a_write_over_another_leaves_what_a_write_into_empty_buffers_does(ranks):
+    """A write zeroes only what it leaves of the previous adapter's rows (not all of them first): after
+    writing rank ranks[0] then ranks[1] at one slot, every buffer, CPU mirror and page equals a write of
+    the second adapter alone, for one layer (LoRAWeights) and for a stack, ranks across page edges."""
+    from loraplex.kernels import LoRAStack
+
+    gen = torch.Generator().manual_seed(sum(ranks))
+    L, S, R, H_in, H_out, page = 2, 2, 16, 12, 10, 4
+    weights = [(torch.randn(L, r, H_in, generator=gen), torch.randn(L, H_out, r, generator=gen)) for r in ranks]
+
+    def stack_of(writes):
+        stack = LoRAStack.empty(L, S, R, H_in, H_out, torch.bfloat16, "cpu", page=page)
+        for A, B in writes:
+            stack.set_slot(4, A, B, [A.shape[1]] * L, [2.0] * L)
+        return stack
+
+    def single_of(writes):
+        w = LoRAWeights.empty(S, R, H_in, H_out, torch.bfloat16, "cpu", page=page)
+        for A, B in writes:
+            w.set_slot(4, A[0], B[0], 2.0)
+        return w
+
+    pairs = [(stack_of(weights).layers, stack_of(weights[1:]).layers),
+             ([single_of(weights)], [single_of(weights[1:])])]
+    for got_layers, want_layers in pairs:
+        for got, want in zip(got_layers, want_layers, strict=True):
+            for a, b in zip(_buffers(got), _buffers(want), strict=True):
+                assert torch.equal(a, b) if isinstance(b, torch.Tensor) else a == b
+
+
 def test_weights_built_from_ranks_know_their_live_slots():
     """LoRAWeights made directly (not through set_slot) derive `live` from ranks_list, so add_lora does
     not skip them as a projection no adapter targets."""
