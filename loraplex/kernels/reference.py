@@ -195,7 +195,7 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
         raise ValueError("the bgmv path needs meta.slot_ranks (build_lora_meta(..., slot_ranks=...))")
     plan = _bgmv_plan(meta, slices[0])
     rows, n_max = plan["rows"], plan["n_max"]
-    xs = x if rows is None else x.index_select(0, rows)  # [T_a, H_in]
+    xs = x.index_select(0, meta.row_order)  # [T_a, H_in], rows grouped by adapter (see _bgmv_plan)
     t_a = xs.shape[0]
     s_idx, s_off, s_valid = _bgmv_shrink_index(plan, x.shape[1])
     if n_max == 1:
@@ -212,6 +212,7 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
         at_table, bt_table = w.tables()
         if v is None:  # torch.embedding_bag, not F.embedding_bag: the functional's checks cost ~3 us a call
             v = torch.embedding_bag(at_table, s_idx, s_off, False, 0, False, xw)[0].view(t_a, -1)
+            v = v.index_select(0, plan["pos"])  # from adapter order to the rows' own order
         vs = v
         if at_table.shape[1] != w.page:  # this slice's pages among the group's: [T_a, n_max page]
             vs = v.view(t_a, n_max, -1)[:, :, w.at_col:w.at_col + w.page].reshape(t_a, -1)
@@ -223,7 +224,13 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
 
 def _bgmv_plan(meta: LoRAMeta, w) -> dict:
     """Per-step gather plan shared by every layer (cached on meta): the rows with an adapter in
-    their own order (None when all rows have one), each row's pages, and the expand bags."""
+    their own order (None when all rows have one), each row's pages, and the expand bags.
+
+    The shrink runs its bags in adapter order (meta.row_order) and `pos` puts its output back in the
+    rows' order: embedding_bag splits the bags between threads in halves, and with rows in adapter
+    order each core reads about half the adapters' tables into its own cache instead of nearly all of
+    them (q/k/v shrink of 104 rows over ~45 rank-8 adapters, 30 layers' tables in play: 94-102 ->
+    69-74 us on a 2-core CPU)."""
     if meta._bgmv is None:
         meta._bgmv = {}
     if w.page in meta._bgmv:
@@ -238,8 +245,10 @@ def _bgmv_plan(meta: LoRAMeta, w) -> dict:
     e_valid = None if bool((pages == n_max).all()) else cols[None, :] < (pages * w.page)[:, None]
     e_idx = sid[:, None] * w.page + cols[None, :]  # [T_a, n_max page] rank rows of BT viewed [S x R, H_out]
     lengths = pages * w.page
+    order = meta.row_order.to(torch.int64)  # [T_a] the same rows, grouped by adapter
     plan = {"rows": rows, "sid": sid, "pages": pages, "n_max": n_max, "e_valid": e_valid,
-            "active": frozenset(meta.seg_slots_list),
+            "active": frozenset(meta.seg_slots_list), "pos": torch.argsort(order),
+            "sid_sorted": slot_ids[order], "page": w.page, "slot_ranks": meta.slot_ranks,
             "e_idx": e_idx.flatten() if e_valid is None else e_idx[e_valid],
             "e_off": torch.cumsum(lengths, 0) - lengths}
     meta._bgmv[w.page] = plan
@@ -248,15 +257,20 @@ def _bgmv_plan(meta: LoRAMeta, w) -> dict:
 
 def _bgmv_shrink_index(plan: dict, h_in: int):
     """(indices, offsets, valid) of the shrink bags for inputs of width h_in (cached in the plan):
-    bag (t, j) for j < n_max holds table rows (virtual page sid_t + j, h) for h < h_in, i.e. rows
-    (physical slot, first page + j, h) of AT; bags past a row's own pages are empty (they sum to zero)
-    and valid marks the others (None: all)."""
+    bag (t, j) for the t-th row in adapter order (meta.row_order) and j < n_max holds table rows
+    (virtual page sid_t + j, h) for h < h_in, i.e. rows (physical slot, first page + j, h) of AT; bags
+    past a row's own pages are empty (they sum to zero) and valid marks the others (None: all)."""
     key = ("shrink", h_in)
     if key not in plan:
         j = torch.arange(plan["n_max"])
-        page_row = (plan["sid"][:, None] + j[None, :]) * h_in  # [T_a, n_max] (sid_t + j) x H_in
+        sid = plan["sid_sorted"]  # [T_a]
+        page_row = (sid[:, None] + j[None, :]) * h_in  # [T_a, n_max] (sid_t + j) x H_in
         idx = page_row[:, :, None] + torch.arange(h_in)  # [T_a, n_max, H_in]
-        valid = None if plan["e_valid"] is None else j[None, :] < plan["pages"][:, None]  # [T_a, n_max]
+        valid = None
+        if plan["e_valid"] is not None:  # some row spans fewer than n_max pages
+            page = plan["page"]
+            pages = (torch.tensor(plan["slot_ranks"], dtype=torch.int64)[sid] + page - 1) // page
+            valid = j[None, :] < pages[:, None]  # [T_a, n_max]
         lengths = torch.full((idx.shape[0] * plan["n_max"],), h_in) if valid is None else valid.flatten() * h_in
         plan[key] = (idx.flatten() if valid is None else idx[valid].flatten(),
                      torch.cumsum(lengths, 0) - lengths, valid)
