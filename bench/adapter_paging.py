@@ -4,7 +4,11 @@ Workload (S-LoRA's evaluation shape, scaled to a CPU): N requests, prompt and ou
 uniformly with a fixed seed, every request's adapter drawn with Zipf popularity (alpha 1) over n
 adapters, all requests queued at once; the engine runs with `max_loras` slots and a host-memory cache
 of `max_cpu_loras` adapters, so adapters page disk -> CPU -> slot during the run. The same prompts and
-lengths run once with no adapter at all (the upper bound). Second table: cold-load time of one adapter
+lengths run with no adapter at all (the upper bound). Each row is `--repeats` pairs of runs, base-only
+and adapters back to back (in turn first), each pair's adapters under names the engine has not seen
+(so they page in cold again, into tiers the previous pair left full); the ratio is the median of the
+pairs' ratios, and its spread is printed: on a shared VM throughput drifts by 5-15% over minutes, more
+than a pair's own two runs do. Second table: cold-load time of one adapter
 from disk to host memory (parsing and checking everything, as registration does, and by the read plan
 that later loads of the unchanged file use; median of 3) and from host memory into a slot, for ranks 8
 to 64.
@@ -18,6 +22,7 @@ to 64.
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import sys
 import tempfile
@@ -79,6 +84,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--num-files", type=int, default=64, help="distinct adapter files behind the names")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="pairs of runs (base-only, adapters) per row")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     counts = [int(c) for c in args.adapters.split(",")]
@@ -88,6 +94,7 @@ def main() -> None:
     prompt_len, output_len = (8, 64), (8, 64)
     if args.quick:
         args.num_requests, counts, prompt_len, output_len = 32, [1, 16], (4, 16), (4, 8)
+        args.repeats = 1
 
     tmp = Path(tempfile.mkdtemp(prefix="loraplex-paging-"))
     commit = report_commit()
@@ -103,32 +110,46 @@ def main() -> None:
             path = tmp / targets / f"f{i}"
             if not path.exists():
                 write_random_adapter(path, cfg, r=args.rank, alpha=2 * args.rank, targets=TARGETS[targets], seed=i)
-        for i in range(max(counts)):
-            llm.load_adapter(f"a{i}", tmp / targets / f"f{i % args.num_files}")
         # Untimed warm-up on the real workload: the first large batch pays for first-touch allocations.
         run(llm, *workload(args.num_requests, 1, args.seed, prompt_len, output_len, cfg.vocab_size)[:2],
             [None] * args.num_requests)
         print(f"# adapter paging, {args.num_requests} requests, rank {args.rank} on {'/'.join(TARGETS[targets])}, "
               f"max_loras {max_loras} (max_lora_rank 64), max_cpu_loras {args.max_cpu_loras}, "
-              f"dtype {llm.engine.dtype}, commit {commit}\n")
-        print("| max_loras | distinct adapters | output tok/s | base-only tok/s | ratio | mean batch (requests) "
-              "| slot hit rate | disk loads |")
-        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+              f"dtype {llm.engine.dtype}, {args.repeats} pairs of runs a row, commit {commit}\n")
+        print("| max_loras | distinct adapters | output tok/s | base-only tok/s | ratio | ratio spread "
+              "| mean batch (requests) | slot hit rate | disk loads |")
+        print("| ---: | ---: | ---: | ---: | ---: | :---: | ---: | ---: | ---: |")
+        pair_ids = itertools.count()
         for n in counts:
             prompts, outputs, names = workload(args.num_requests, n, args.seed, prompt_len, output_len,
                                                cfg.vocab_size)
-            base_s, base_tokens = run(llm, prompts, outputs, [None] * len(prompts))
-            before = llm.adapter_stats()["tiers"]
-            steps, rows = llm.engine.num_steps, llm.engine.num_batched_rows
-            lora_s, lora_tokens = run(llm, prompts, outputs, names)
-            after = llm.adapter_stats()["tiers"]
-            mean_batch = (llm.engine.num_batched_rows - rows) / max(1, llm.engine.num_steps - steps)
-            hits = after["gpu"]["hits"] - before["gpu"]["hits"]
-            misses = after["gpu"]["misses"] - before["gpu"]["misses"]
-            loads = after["cpu"]["misses"] - before["cpu"]["misses"]
-            lora_tps, base_tps = lora_tokens / lora_s, base_tokens / base_s
-            print(f"| {max_loras} | {n} | {lora_tps:.0f} | {base_tps:.0f} | {lora_tps / base_tps:.2f} | "
-                  f"{mean_batch:.1f} | {hits / max(1, hits + misses):.2f} | {loads} |", flush=True)
+            base_tps, lora_tps, ratios, batches, hits, misses, loads = [], [], [], [], 0, 0, []
+            for rep in range(args.repeats):
+                # this pair's names for the row's n adapters ("p3a17": a17 in the 4th pair), on the files cycled above
+                pair_id = next(pair_ids)
+                for i in range(n):
+                    llm.load_adapter(f"p{pair_id}a{i}", tmp / targets / f"f{i % args.num_files}")
+                fresh = [f"p{pair_id}{name}" for name in names]
+                before = llm.adapter_stats()["tiers"]
+                steps, rows = llm.engine.num_steps, llm.engine.num_batched_rows
+                pair = {}
+                for kind in (("base", "lora") if rep % 2 == 0 else ("lora", "base")):
+                    if kind == "lora":
+                        steps, rows = llm.engine.num_steps, llm.engine.num_batched_rows
+                    seconds, tokens = run(llm, prompts, outputs, fresh if kind == "lora" else [None] * len(prompts))
+                    pair[kind] = tokens / seconds
+                    if kind == "lora":
+                        batches.append((llm.engine.num_batched_rows - rows) / max(1, llm.engine.num_steps - steps))
+                after = llm.adapter_stats()["tiers"]
+                hits += after["gpu"]["hits"] - before["gpu"]["hits"]
+                misses += after["gpu"]["misses"] - before["gpu"]["misses"]
+                loads.append(after["cpu"]["misses"] - before["cpu"]["misses"])
+                base_tps.append(pair["base"])
+                lora_tps.append(pair["lora"])
+                ratios.append(pair["lora"] / pair["base"])
+            print(f"| {max_loras} | {n} | {median(lora_tps):.0f} | {median(base_tps):.0f} | {median(ratios):.2f} | "
+                  f"{min(ratios):.2f}-{max(ratios):.2f} | {median(batches):.1f} | {hits / max(1, hits + misses):.2f} | "
+                  f"{median(loads):.0f} |", flush=True)
         print()
         if k < len(runs) - 1:
             llm.engine.adapters.close()
