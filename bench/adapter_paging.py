@@ -125,9 +125,10 @@ def main() -> None:
                                                cfg.vocab_size)
             base_tps, lora_tps, ratios, batches, hits, misses, loads = [], [], [], [], 0, 0, []
             for rep in range(args.repeats):
-                # this pair's names for the row's n adapters ("p3a17": a17 in the 4th pair), on the files cycled above
+                # this pair's names ("p3a17": a17 in the 4th pair) for the adapters its requests draw from
+                # the n, on the files cycled above (registering all n would read 1,024 files for nothing)
                 pair_id = next(pair_ids)
-                for i in range(n):
+                for i in sorted({int(name[1:]) for name in names}):
                     llm.load_adapter(f"p{pair_id}a{i}", tmp / targets / f"f{i % args.num_files}")
                 fresh = [f"p{pair_id}{name}" for name in names]
                 before = llm.adapter_stats()["tiers"]
