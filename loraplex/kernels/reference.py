@@ -205,14 +205,16 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
         xw = xw.reshape(-1) if s_valid is None else xw[s_valid].reshape(-1)
     e_idx, e_off, e_valid = plan["e_idx"], plan["e_off"], plan["e_valid"]
     active = plan["active"]
-    v = None  # [T_a, n_max W], shared by the slices (they share AT)
+    shrunk: dict[int, torch.Tensor] = {}  # AT's data_ptr (each slice holds its own view) -> [T_a, n_max W]
     for w, off in zip(slices, offsets, strict=True):
         if w.live.isdisjoint(active):
             continue  # no adapter of this step touches this slice
         at_table, bt_table = w.tables()
+        v = shrunk.get(at_table.data_ptr())
         if v is None:  # torch.embedding_bag, not F.embedding_bag: the functional's checks cost ~3 us a call
             v = torch.embedding_bag(at_table, s_idx, s_off, False, 0, False, xw)[0].view(t_a, -1)
             v = v.index_select(0, plan["pos"])  # from adapter order to the rows' own order
+            shrunk[at_table.data_ptr()] = v
         vs = v
         if at_table.shape[1] != w.page:  # this slice's pages among the group's: [T_a, n_max page]
             vs = v.view(t_a, n_max, -1)[:, :, w.at_col:w.at_col + w.page].reshape(t_a, -1)
@@ -238,17 +240,17 @@ def _bgmv_plan(meta: LoRAMeta, w) -> dict:
     slot_ids = meta.slot_ids.to(torch.int64)
     rows = torch.nonzero(slot_ids >= 0).flatten() if meta.row_order.numel() < meta.num_tokens else None
     sid = slot_ids if rows is None else slot_ids[rows]  # [T_a]
-    ranks = torch.tensor(meta.slot_ranks, dtype=torch.int64)[sid]  # [T_a] each row's adapter rank
-    pages = (ranks + w.page - 1) // w.page  # [T_a] pages each row's adapter spans
+    slot_pages = (torch.tensor(meta.slot_ranks, dtype=torch.int64) + w.page - 1) // w.page  # [V] each slot's pages
+    pages = slot_pages[sid]  # [T_a] pages each row's adapter spans
     n_max = int(pages.max())
     cols = torch.arange(n_max * w.page)  # [n_max page]
     e_valid = None if bool((pages == n_max).all()) else cols[None, :] < (pages * w.page)[:, None]
     e_idx = sid[:, None] * w.page + cols[None, :]  # [T_a, n_max page] rank rows of BT viewed [S x R, H_out]
     lengths = pages * w.page
     order = meta.row_order.to(torch.int64)  # [T_a] the same rows, grouped by adapter
-    plan = {"rows": rows, "sid": sid, "pages": pages, "n_max": n_max, "e_valid": e_valid,
-            "active": frozenset(meta.seg_slots_list), "pos": torch.argsort(order),
-            "sid_sorted": slot_ids[order], "page": w.page, "slot_ranks": meta.slot_ranks,
+    sid_sorted = slot_ids[order]  # [T_a]
+    plan = {"rows": rows, "n_max": n_max, "e_valid": e_valid, "active": frozenset(meta.seg_slots_list),
+            "pos": torch.argsort(order), "sid_sorted": sid_sorted, "pages_sorted": slot_pages[sid_sorted],
             "e_idx": e_idx.flatten() if e_valid is None else e_idx[e_valid],
             "e_off": torch.cumsum(lengths, 0) - lengths}
     meta._bgmv[w.page] = plan
@@ -266,11 +268,9 @@ def _bgmv_shrink_index(plan: dict, h_in: int):
         sid = plan["sid_sorted"]  # [T_a]
         page_row = (sid[:, None] + j[None, :]) * h_in  # [T_a, n_max] (sid_t + j) x H_in
         idx = page_row[:, :, None] + torch.arange(h_in)  # [T_a, n_max, H_in]
-        valid = None
-        if plan["e_valid"] is not None:  # some row spans fewer than n_max pages
-            page = plan["page"]
-            pages = (torch.tensor(plan["slot_ranks"], dtype=torch.int64)[sid] + page - 1) // page
-            valid = j[None, :] < pages[:, None]  # [T_a, n_max]
+        valid = None  # some row spans fewer than n_max pages: [T_a, n_max]
+        if plan["e_valid"] is not None:
+            valid = j[None, :] < plan["pages_sorted"][:, None]
         lengths = torch.full((idx.shape[0] * plan["n_max"],), h_in) if valid is None else valid.flatten() * h_in
         plan[key] = (idx.flatten() if valid is None else idx[valid].flatten(),
                      torch.cumsum(lengths, 0) - lengths, valid)

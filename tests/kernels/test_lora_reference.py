@@ -159,6 +159,24 @@ def test_paged_slots_match_dense(path, dtype, page, popularity):
     _run(path, case)
 
 
+@pytest.mark.parametrize("page", [0, 8])
+def test_bgmv_slices_with_their_own_shrink_mirrors(page):
+    """Slices made one by one (`LoRAWeights.empty`, each its own AT) rather than as a fused group: bgmv
+    shrinks each through its own mirror (one gather per mirror), not through the first slice's."""
+    case = make_case(29, "zipf", 8, torch.float32, 40, [32, 16, 16], "zero", seed=31, page=page)
+    alone = []
+    for w in case.slices:
+        own = LoRAWeights.empty(w.A.shape[0], w.A.shape[1], w.A.shape[2], w.B.shape[1], w.A.dtype, "cpu", page=page)
+        for s, r in enumerate(w.ranks_list):
+            if r:
+                own.set_slot(s, w.a_rows(s, r), w.b_cols(s, r), w.scales_list[s])
+        alone.append(own)
+    assert len({w.AT.data_ptr() for w in alone}) == 3
+    y = case.y.clone()
+    add_lora_bgmv(y, case.x, alone, case.meta, case.offsets)
+    assert_matches(y, case, case.y)
+
+
 def test_bgmv_step_of_only_long_segments_takes_dense_matmuls(monkeypatch):
     """Every segment a long prefill chunk: no row goes through bgmv."""
     slot_ids = [0] * 40 + [1] * 36
