@@ -84,17 +84,19 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--num-files", type=int, default=64, help="distinct adapter files behind the names")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=3, help="pairs of runs (base-only, adapters) per row")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="pairs of runs (base-only, adapters) per row (default 3, 1 with --quick)")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     counts = [int(c) for c in args.adapters.split(",")]
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
     target_sets = args.targets.split(",")
     if any(t not in TARGETS for t in target_sets):
         ap.error(f"--targets takes a comma list of {sorted(TARGETS)}")
     prompt_len, output_len = (8, 64), (8, 64)
     if args.quick:
         args.num_requests, counts, prompt_len, output_len = 32, [1, 16], (4, 16), (4, 8)
-        args.repeats = 1
 
     tmp = Path(tempfile.mkdtemp(prefix="loraplex-paging-"))
     commit = report_commit()
@@ -115,7 +117,8 @@ def main() -> None:
             [None] * args.num_requests)
         print(f"# adapter paging, {args.num_requests} requests, rank {args.rank} on {'/'.join(TARGETS[targets])}, "
               f"max_loras {max_loras} (max_lora_rank 64), max_cpu_loras {args.max_cpu_loras}, "
-              f"dtype {llm.engine.dtype}, {args.repeats} pairs of runs a row, commit {commit}\n")
+              f"dtype {llm.engine.dtype}, {args.repeats} pair(s) of runs a row: tok/s, ratio, mean batch and disk loads are "
+              f"medians over them, the slot hit rate is over all of them, commit {commit}\n")
         print("| max_loras | distinct adapters | output tok/s | base-only tok/s | ratio | ratio spread "
               "| mean batch (requests) | slot hit rate | disk loads |")
         print("| ---: | ---: | ---: | ---: | ---: | :---: | ---: | ---: | ---: |")
@@ -132,7 +135,6 @@ def main() -> None:
                     llm.load_adapter(f"p{pair_id}a{i}", tmp / targets / f"f{i % args.num_files}")
                 fresh = [f"p{pair_id}{name}" for name in names]
                 before = llm.adapter_stats()["tiers"]
-                steps, rows = llm.engine.num_steps, llm.engine.num_batched_rows
                 pair = {}
                 for kind in (("base", "lora") if rep % 2 == 0 else ("lora", "base")):
                     if kind == "lora":

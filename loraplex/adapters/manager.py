@@ -17,7 +17,8 @@ one physical slot (a buddy allocator's blocks: any run can be freed by evicting 
 or the one around it, so fragmentation stays bounded); its first page is its virtual slot, the id the
 kernels take. S slots of max rank 64 hold 8 S rank-8 adapters at once, not S. A free run is taken
 first (buddy best fit), else one whose owners are all unpinned, least recently used first; evicted
-adapters' rows are zeroed, so rows no adapter owns stay zero.
+adapters' rows are zeroed (or, at the new adapter's own virtual slot, overwritten and zeroed past its
+rank), so rows no adapter owns stay zero.
 
 Disk -> CPU loads run on a background thread; the scheduler never waits for one (`can_acquire` says
 no and starts the load, S-LoRA / vLLM style). CPU -> slot copies are a plain copy on CPU and run on a
@@ -354,7 +355,7 @@ class AdapterManager:
             raise RuntimeError(f"no free or evictable pages for adapter {name!r}")
         with self._on_copy_stream():
             for owner in self._owners(start, self._pages_for(self.cpu[name].rank)):
-                # the owner at `start` is overwritten by the copy, which zeroes only what it leaves of its rows
+                # the owner at `start` is overwritten by the copy, which zeroes what it leaves of its rows
                 self._evict(owner, zero=self.slot_of[owner] != start)
             self._copy_in(name, start)
         return start

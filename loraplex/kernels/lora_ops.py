@@ -152,8 +152,8 @@ class LoRAWeights:
         """Write one adapter's weights at virtual slot `slot`: A [r, H_in], B [H_out, r]; None clears it.
 
         What the new weights leave of the rows the slot's previous adapter wrote is zeroed, so rows
-        nobody owns stay zero for the packed path and the kernels. Raises ValueError when the weights do not fit the buffers or
-        run past the end of the physical slot.
+        nobody owns stay zero for the packed path and the kernels. Raises ValueError when the weights
+        do not fit the buffers or run past the end of the physical slot.
         """
         self.version += 1  # invalidates weights cached for the packed path
         if not 0 <= slot < self.num_virtual_slots:
@@ -236,8 +236,8 @@ class LoRAStack:
     (shared by the slices of one fused projection, this one's pages at columns at_col .. + page) and
     BT [L, S, R, H_out]. `layers[l]` is layer l's `LoRAWeights`, whose tensors are views of these
     (what the kernels read, one layer at a time). `rows[v]` is how many rank rows the last write at
-    virtual slot v filled in every layer (the rows the next write zeroes); write a stack's slots
-    through `set_slot` here, not through its layers' own `LoRAWeights.set_slot`.
+    virtual slot v filled in every layer (the next write there zeroes those past its own rank); write
+    a stack's slots through `set_slot` here, not through its layers' own `LoRAWeights.set_slot`.
     """
 
     A: torch.Tensor
