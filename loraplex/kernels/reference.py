@@ -196,29 +196,25 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
     plan = _bgmv_plan(meta, slices[0])
     rows, n_max = plan["rows"], plan["n_max"]
     xs = x.index_select(0, meta.row_order)  # [T_a, H_in], rows grouped by adapter (see _bgmv_plan)
-    t_a = xs.shape[0]
     s_idx, s_off, s_valid = _bgmv_shrink_index(plan, x.shape[1])
     if n_max == 1:
         xw = xs.reshape(-1)  # [T_a H_in]
     else:
         xw = xs.unsqueeze(1).expand(-1, n_max, -1)  # [T_a, n_max, H_in]
         xw = xw.reshape(-1) if s_valid is None else xw[s_valid].reshape(-1)
-    e_idx, e_off, e_valid = plan["e_idx"], plan["e_off"], plan["e_valid"]
+    e_idx, e_off = plan["e_idx"], plan["e_off"]
     active = plan["active"]
-    shrunk: dict[int, torch.Tensor] = {}  # AT's data_ptr (each slice holds its own view) -> [T_a, n_max W]
+    shrunk: dict[int, torch.Tensor] = {}  # AT's data_ptr (each slice holds its own view) -> [T_a n_max W]
     for w, off in zip(slices, offsets, strict=True):
         if w.live.isdisjoint(active):
             continue  # no adapter of this step touches this slice
         at_table, bt_table = w.tables()
         v = shrunk.get(at_table.data_ptr())
         if v is None:  # torch.embedding_bag, not F.embedding_bag: the functional's checks cost ~3 us a call
-            v = torch.embedding_bag(at_table, s_idx, s_off, False, 0, False, xw)[0].view(t_a, -1)
-            v = v.index_select(0, plan["pos"])  # from adapter order to the rows' own order
+            v = torch.embedding_bag(at_table, s_idx, s_off, False, 0, False, xw)[0].view(-1)
             shrunk[at_table.data_ptr()] = v
-        vs = v
-        if at_table.shape[1] != w.page:  # this slice's pages among the group's: [T_a, n_max page]
-            vs = v.view(t_a, n_max, -1)[:, :, w.at_col:w.at_col + w.page].reshape(t_a, -1)
-        vw = vs.reshape(-1) if e_valid is None else vs[e_valid]
+        # this slice's expand weights, one gather: its columns of v, rows back in their own order
+        vw = v.index_select(0, _bgmv_expand_weights(plan, at_table.shape[1], w.at_col, w.page))
         delta = torch.embedding_bag(bt_table, e_idx, e_off, False, 0, False, vw)[0]  # [T_a, H_out]
         _add_at(y, off, delta, rows)
     return y
@@ -228,8 +224,8 @@ def _bgmv_plan(meta: LoRAMeta, w) -> dict:
     """Per-step gather plan shared by every layer (cached on meta): the rows with an adapter in
     their own order (None when all rows have one), each row's pages, and the expand bags.
 
-    The shrink runs its bags in adapter order (meta.row_order) and `pos` puts its output back in the
-    rows' order: embedding_bag splits the bags between threads in halves, and with rows in adapter
+    The shrink runs its bags in adapter order (meta.row_order; `pos` [T_a] is each row's place in it,
+    and the expand's weights are gathered back in the rows' order, `_bgmv_expand_weights`): embedding_bag splits the bags between threads in halves, and with rows in adapter
     order each core reads about half the adapters' tables into its own cache instead of nearly all of
     them (q/k/v shrink of 104 rows over ~45 rank-8 adapters, 30 layers' tables in play: 94-102 ->
     69-74 us on a 2-core CPU)."""
@@ -255,6 +251,19 @@ def _bgmv_plan(meta: LoRAMeta, w) -> dict:
             "e_off": torch.cumsum(lengths, 0) - lengths}
     meta._bgmv[w.page] = plan
     return plan
+
+
+def _bgmv_expand_weights(plan: dict, width: int, col: int, page: int) -> torch.Tensor:
+    """[E] positions in the flat shrink output (bags in adapter order, `width` values each) of the
+    expand's per-sample weights: for each row in its own order, its valid rank columns col .. col +
+    page of each of its pages (cached in the plan per mirror width and column)."""
+    key = ("expand", width, col)
+    if key not in plan:
+        n_max = plan["n_max"]
+        bag = plan["pos"][:, None] * n_max + torch.arange(n_max)[None, :]  # [T_a, n_max] bag of (row, page)
+        idx = (bag[:, :, None] * width + col + torch.arange(page)).reshape(bag.shape[0], -1)  # [T_a, n_max page]
+        plan[key] = idx.flatten() if plan["e_valid"] is None else idx[plan["e_valid"]]
+    return plan[key]
 
 
 def _bgmv_shrink_index(plan: dict, h_in: int):
