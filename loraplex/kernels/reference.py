@@ -224,11 +224,12 @@ def _bgmv_plan(meta: LoRAMeta, w) -> dict:
     """Per-step gather plan shared by every layer (cached on meta): the rows with an adapter in
     their own order (None when all rows have one), each row's pages, and the expand bags.
 
-    The shrink runs its bags in adapter order (meta.row_order; `pos` [T_a] is each row's place in it,
-    and the expand's weights are gathered back in the rows' order, `_bgmv_expand_weights`): embedding_bag splits the bags between threads in halves, and with rows in adapter
-    order each core reads about half the adapters' tables into its own cache instead of nearly all of
-    them (q/k/v shrink of 104 rows over ~45 rank-8 adapters, 30 layers' tables in play: 94-102 ->
-    69-74 us on a 2-core CPU)."""
+    The shrink runs its bags in adapter order (meta.row_order; `pos` [T_a] is each row's place in
+    it, and the expand's weights are gathered back in the rows' order, `_bgmv_expand_weights`):
+    embedding_bag splits the bags between threads in halves, and with rows in adapter order each core
+    reads about half the adapters' tables into its own cache instead of nearly all of them (q/k/v
+    shrink of 104 rows over ~45 rank-8 adapters, 30 layers' tables in play: 94-102 -> 69-74 us on a
+    2-core CPU)."""
     if meta._bgmv is None:
         meta._bgmv = {}
     if w.page in meta._bgmv:
