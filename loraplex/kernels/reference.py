@@ -67,11 +67,15 @@ def add_lora_segmented(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
 
 
 def _add_at(y: torch.Tensor, off: int, delta: torch.Tensor, rows: torch.Tensor | None) -> None:
-    """y[rows, off:off + width] += delta ([len(rows), width]); every row of y when rows is None."""
+    """y[rows, off:off + width] += delta ([len(rows), width], rows distinct); every row of y when rows
+    is None. Picked rows are read, added to and written back (`index_put_`), not `index_add_`: on
+    CPU, bf16 `index_add_` rewrote the NaN payload of rows it did not touch (0x7FC1 -> 0xFFFF) and took
+    51-69 us against 23 us for 60 of 106 rows of 576 columns; the sums are bit-identical."""
+    ys = y[:, off:off + delta.shape[1]]
     if rows is None:
-        y[:, off:off + delta.shape[1]] += delta
+        ys += delta
     else:
-        y[:, off:off + delta.shape[1]].index_add_(0, rows, delta)
+        ys.index_put_((rows,), ys.index_select(0, rows) + delta)
 
 
 def _packed_columns(meta: LoRAMeta, device: torch.device):
@@ -170,7 +174,7 @@ def add_lora_dense_segments(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRA
             r = w.ranks_list[slot]
             if r:
                 delta = (xs @ w.a_rows(slot, r).T) @ (w.b_cols(slot, r).T * w.scales_list[slot])  # [n, H_out]
-                y[:, off:off + delta.shape[1]].index_add_(0, rows, delta.to(y.dtype))
+                _add_at(y, off, delta.to(y.dtype), rows)
     return y
 
 

@@ -139,7 +139,8 @@ def fill_rows(w: LoRAWeights, slot: int, rows: int, value: float) -> None:
 
 def make_case(num_tokens: int, popularity: str, num_adapters: int, dtype: torch.dtype, h_in: int,
               h_outs: list[int], padding: str = "nan", seed: int = 0, page: int = 0) -> Case:
-    """A batch whose rows without an adapter hold NaN in x and NaN, inf and -0.0 in y (never touched).
+    """A batch whose rows without an adapter hold NaN in x and NaN (with a payload: a path that
+    rewrites the row, even to the same value, changes its bits), inf and -0.0 in y (never touched).
 
     page: 0 for one adapter per physical slot, else the paged layout of `make_slices`."""
     gen = torch.Generator().manual_seed(seed)
@@ -161,7 +162,13 @@ def make_case(num_tokens: int, popularity: str, num_adapters: int, dtype: torch.
                     fill_rows(w, s, capacity, float("nan"))
     offsets = [sum(h_outs[:i]) for i in range(len(h_outs))]
     meta = build_lora_meta(slot_ids, DEVICE, slot_ranks=max_slot_ranks(slices))
-    return Case(x.to(DEVICE, dtype), y.to(DEVICE, dtype), slices, offsets, slot_ids, meta)
+    y = y.to(dtype)
+    idle = [t for t, s in enumerate(slot_ids) if s < 0]
+    if idle:  # quiet NaNs with payload 1 (not what a conversion or an arithmetic op produces)
+        ints = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[dtype]
+        bits = {torch.float32: 0x7FC00001, torch.float16: 0x7E01, torch.bfloat16: 0x7FC1}[dtype]
+        y.view(ints)[idle, 0::3] = bits
+    return Case(x.to(DEVICE, dtype), y.to(DEVICE), slices, offsets, slot_ids, meta)
 
 
 def max_slot_ranks(slices: list[LoRAWeights]) -> list[int]:
