@@ -137,8 +137,7 @@ def main() -> None:
                 before = llm.adapter_stats()["tiers"]
                 pair = {}
                 for kind in (("base", "lora") if rep % 2 == 0 else ("lora", "base")):
-                    if kind == "lora":
-                        steps, rows = llm.engine.num_steps, llm.engine.num_batched_rows
+                    steps, rows = llm.engine.num_steps, llm.engine.num_batched_rows
                     seconds, tokens = run(llm, prompts, outputs, fresh if kind == "lora" else [None] * len(prompts))
                     pair[kind] = tokens / seconds
                     if kind == "lora":

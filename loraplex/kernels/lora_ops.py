@@ -287,8 +287,9 @@ class LoRAStack:
                  scales: Sequence[float] = ()) -> None:
         """Write one adapter at virtual slot `slot` of every layer: A [L, r, H_in], B [L, H_out, r] (zero
         past each layer's own rank), `ranks` and `scales` per layer (0 for a layer it leaves alone);
-        A None clears the slot. Zeroes what this write leaves of the rows the previous one filled. Raises ValueError
-        when the weights do not fit the buffers or run past the end of the physical slot."""
+        A None clears the slot. Zeroes what this write leaves of the rows the previous one filled.
+        Raises ValueError when the weights do not fit the buffers or run past the end of the physical
+        slot."""
         layer0 = self.layers[0]
         if not 0 <= slot < layer0.num_virtual_slots:
             raise ValueError(f"virtual slot {slot} out of range [0, {layer0.num_virtual_slots})")

@@ -239,7 +239,9 @@ def _bgmv_plan(meta: LoRAMeta, w) -> dict:
     if w.page in meta._bgmv:
         return meta._bgmv[w.page]
     slot_ids = meta.slot_ids.to(torch.int64)
-    rows = torch.nonzero(slot_ids >= 0).flatten() if meta.row_order.numel() < meta.num_tokens else None
+    order = meta.row_order.to(torch.int64)  # [T_a] the rows with an adapter, grouped by adapter
+    pos = torch.argsort(order)  # [T_a] order[pos]: the same rows in their own order
+    rows = order[pos] if order.numel() < meta.num_tokens else None
     sid = slot_ids if rows is None else slot_ids[rows]  # [T_a]
     slot_pages = (torch.tensor(meta.slot_ranks, dtype=torch.int64) + w.page - 1) // w.page  # [V] each slot's pages
     pages = slot_pages[sid]  # [T_a] pages each row's adapter spans
@@ -248,10 +250,9 @@ def _bgmv_plan(meta: LoRAMeta, w) -> dict:
     e_valid = None if bool((pages == n_max).all()) else cols[None, :] < (pages * w.page)[:, None]
     e_idx = sid[:, None] * w.page + cols[None, :]  # [T_a, n_max page] rank rows of BT viewed [S x R, H_out]
     lengths = pages * w.page
-    order = meta.row_order.to(torch.int64)  # [T_a] the same rows, grouped by adapter
     sid_sorted = slot_ids[order]  # [T_a]
     plan = {"rows": rows, "n_max": n_max, "e_valid": e_valid, "active": frozenset(meta.seg_slots_list),
-            "pos": torch.argsort(order), "sid_sorted": sid_sorted, "pages_sorted": slot_pages[sid_sorted],
+            "pos": pos, "sid_sorted": sid_sorted, "pages_sorted": slot_pages[sid_sorted],
             "e_idx": e_idx.flatten() if e_valid is None else e_idx[e_valid],
             "e_off": torch.cumsum(lengths, 0) - lengths}
     meta._bgmv[w.page] = plan
