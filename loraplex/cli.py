@@ -46,6 +46,15 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _build_kernels(args: argparse.Namespace) -> int:
+    import logging
+
+    from loraplex.kernels import cpu_ext
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return 0 if cpu_ext.get() is not None else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # its own argument parser, so `loraplex bench --help` shows its options
@@ -72,9 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--port", type=int, help="default LORAPLEX_PORT or 8000")
     srv.add_argument("--model", help="default LORAPLEX_MODEL or smollm2-135m-instruct")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    sub.add_parser("build-kernels", help="build the compiled CPU LoRA kernel now (otherwise at the first start)")
     args = parser.parse_args(argv)
+    commands = {"serve": _serve, "generate": _generate, "build-kernels": _build_kernels}
     try:
-        return _serve(args) if args.command == "serve" else _generate(args)
+        return commands[args.command](args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -98,6 +98,7 @@ class LoRAWeights:
     live: set[int] = field(default_factory=set)
     fused: FusedShrink | None = field(default=None, repr=False)  # on a projection's first slice
     _tables: tuple | None = field(default=None, repr=False)
+    _flat: tuple | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if not self.live:
@@ -128,6 +129,13 @@ class LoRAWeights:
         if self._tables is None:
             self._tables = (self.AT.view(-1, self.AT.shape[-1]), self.BT.view(-1, self.BT.shape[-1]))
         return self._tables
+
+    def flat(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A as [S R, H_in] and the BT mirror as [S R, H_out] (views, made once): rank row v x page of
+        each is virtual slot v's first, what the compiled CPU kernel reads."""
+        if self._flat is None:
+            self._flat = (self.A.view(-1, self.A.shape[2]), self.BT.view(-1, self.BT.shape[-1]))
+        return self._flat
 
     @property
     def num_virtual_slots(self) -> int:
@@ -402,9 +410,10 @@ def lora_linear(x: torch.Tensor, linear: nn.Linear, slices: Sequence[LoRAWeights
     `add_lora(linear(x), x, slices, meta)`.
     """
     fs = slices[0].fused
-    if fs is None or _backend != "auto" or not meta.has_lora or all(
-            w.live.isdisjoint(meta.seg_slots_list) for w in slices):
+    if fs is None or _backend != "auto" or not meta.has_lora:
         return add_lora(linear(x), x, slices, meta)
+    if all(w.live.isdisjoint(meta.active_slots) for w in slices):
+        return linear(x)  # no adapter of this step targets this projection (q/k/v/o-only adapters on the MLP)
     backend = _pick_backend(x, meta, slices)
     plan = fused_plan(meta, slices[0].page, len(slices), fs.cap_pages) if backend == "packed" else None
     if plan is None:
@@ -476,7 +485,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, slices: Sequence[LoRAWeights], me
     """
     if not meta.has_lora:
         return y
-    if all(w.live.isdisjoint(meta.seg_slots_list) for w in slices):
+    if all(w.live.isdisjoint(meta.active_slots) for w in slices):
         return y  # no adapter in this step targets this projection (e.g. q/k/v/o-only adapters on the MLP)
     return _dispatch(y, x, slices, meta, list(offsets) if offsets is not None else _offsets(slices),
                      _pick_backend(x, meta, slices))

@@ -41,6 +41,7 @@ class LoRAMeta:
     seg_starts_list: list[int]
     seg_lens_list: list[int]
     slot_ranks: list[int] | None = None
+    active_slots: frozenset[int] = frozenset()  # the step's slots, for the per-projection "any adapter here?" test
     _packed: dict | None = None
     _bgmv: dict | None = None
     _split: tuple | None = None
@@ -114,4 +115,5 @@ def build_lora_meta(slot_ids: list[int] | torch.Tensor, device: torch.device | s
         seg_starts_list=seg_starts,
         seg_lens_list=seg_lens,
         slot_ranks=slot_ranks,
+        active_slots=frozenset(seg_slots),
     )

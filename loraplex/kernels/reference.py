@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from loraplex.kernels import cpu_ext
 from loraplex.kernels.metadata import LoRAMeta
 
 # One block-diagonal expand for adjacent slices saves matmul calls but multiplies k x the FLOPs; on a
@@ -193,10 +194,14 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
     the op.
 
     Needs the mirrors (`LoRAWeights.empty` on CPU) and `meta.slot_ranks`. Rows without an adapter
-    are neither read nor written.
+    are neither read nor written. Where the compiled kernel is built (`cpu_ext`), the same maths runs
+    there instead, reading the slot buffers' A and BT directly (`add_lora_bgmv_compiled`).
     """
     if meta.slot_ranks is None:
         raise ValueError("the bgmv path needs meta.slot_ranks (build_lora_meta(..., slot_ranks=...))")
+    ext = cpu_ext.get() if x.device.type == "cpu" else None
+    if ext is not None:
+        return add_lora_bgmv_compiled(ext, y, x, slices, meta, offsets)
     plan = _bgmv_plan(meta, slices[0])
     rows, n_max = plan["rows"], plan["n_max"]
     xs = x.index_select(0, meta.row_order)  # [T_a, H_in], rows grouped by adapter (see _bgmv_plan)
@@ -207,7 +212,7 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
         xw = xs.unsqueeze(1).expand(-1, n_max, -1)  # [T_a, n_max, H_in]
         xw = xw.reshape(-1) if s_valid is None else xw[s_valid].reshape(-1)
     e_idx, e_off = plan["e_idx"], plan["e_off"]
-    active = plan["active"]
+    active = meta.active_slots
     shrunk: dict[int, torch.Tensor] = {}  # AT's data_ptr (each slice holds its own view) -> [T_a n_max W]
     for w, off in zip(slices, offsets, strict=True):
         if w.live.isdisjoint(active):
@@ -221,6 +226,28 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
         vw = v.index_select(0, _bgmv_expand_weights(plan, at_table.shape[1], w.at_col, w.page))
         delta = torch.embedding_bag(bt_table, e_idx, e_off, False, 0, False, vw)[0]  # [T_a, H_out]
         _add_at(y, off, delta, rows)
+    return y
+
+
+def add_lora_bgmv_compiled(ext, y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
+                           offsets: list[int]) -> torch.Tensor:
+    """`add_lora_bgmv` in the compiled kernel `ext` (`cpu_ext.get()`; semantics and roundings in
+    csrc/bgmv_cpu.cpp): one call per projection, rows in adapter order split between PyTorch's threads,
+    each row's shrink and expand read from A [V page, H_in] and BT [V page, H_out] with the next
+    segments' weights prefetched. The AT mirrors are not read. Returns y."""
+    if meta._bgmv is None:
+        meta._bgmv = {}
+    rows = meta._bgmv.get("compiled")
+    if rows is None:  # every layer of the step reuses it
+        order = meta.row_order.to(torch.int64)  # [T_a] rows grouped by adapter
+        rows = (order, meta.slot_ids.to(torch.int64)[order].contiguous())
+        meta._bgmv["compiled"] = rows
+    order, sid = rows
+    used = [(w, off) for w, off in zip(slices, offsets, strict=True) if not w.live.isdisjoint(meta.active_slots)]
+    if used:
+        flat = [w.flat() for w, _ in used]
+        ext.bgmv(y, x, order, sid, [a for a, _ in flat], [bt for _, bt in flat], [w.ranks for w, _ in used],
+                 [off for _, off in used], slices[0].page, cpu_ext.vectorized)
     return y
 
 
@@ -251,7 +278,7 @@ def _bgmv_plan(meta: LoRAMeta, w) -> dict:
     e_idx = sid[:, None] * w.page + cols[None, :]  # [T_a, n_max page] rank rows of BT viewed [S x R, H_out]
     lengths = pages * w.page
     sid_sorted = slot_ids[order]  # [T_a]
-    plan = {"rows": rows, "n_max": n_max, "e_valid": e_valid, "active": frozenset(meta.seg_slots_list),
+    plan = {"rows": rows, "n_max": n_max, "e_valid": e_valid,
             "pos": pos, "sid_sorted": sid_sorted, "pages_sorted": slot_pages[sid_sorted],
             "e_idx": e_idx.flatten() if e_valid is None else e_idx[e_valid],
             "e_off": torch.cumsum(lengths, 0) - lengths}

@@ -4,7 +4,7 @@ import pytest
 import torch
 from lora_cases import DEVICE, POPULARITIES, assert_matches, make_case
 
-from loraplex.kernels import lora_ops, reference
+from loraplex.kernels import cpu_ext, lora_ops, reference
 from loraplex.kernels.lora_ops import LoRAWeights
 from loraplex.kernels.metadata import build_lora_meta
 from loraplex.kernels.reference import (
@@ -15,7 +15,22 @@ from loraplex.kernels.reference import (
 )
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-PATHS = {"segmented": add_lora_segmented, "packed": add_lora_packed, "bgmv": add_lora_bgmv,
+
+
+def _bgmv(enabled: bool, vectorized: bool = True):
+    """add_lora_bgmv in the compiled kernel (its AVX-512 or its scalar path) or on embedding_bag."""
+    def run(*args):
+        saved = cpu_ext.enabled, cpu_ext.vectorized
+        cpu_ext.enabled, cpu_ext.vectorized = enabled, vectorized
+        try:
+            return add_lora_bgmv(*args)
+        finally:
+            cpu_ext.enabled, cpu_ext.vectorized = saved
+    return run
+
+
+PATHS = {"segmented": add_lora_segmented, "packed": add_lora_packed, "bgmv": _bgmv(True),
+         "bgmv_scalar": _bgmv(True, vectorized=False), "bgmv_gather": _bgmv(False),
          "dense_segments": add_lora_dense_segments}
 
 
@@ -173,7 +188,7 @@ def test_bgmv_slices_with_their_own_shrink_mirrors(page):
         alone.append(own)
     assert len({w.AT.data_ptr() for w in alone}) == 3
     y = case.y.clone()
-    add_lora_bgmv(y, case.x, alone, case.meta, case.offsets)
+    PATHS["bgmv_gather"](y, case.x, alone, case.meta, case.offsets)
     assert_matches(y, case, case.y)
 
 

@@ -1,0 +1,345 @@
+// BGMV on the CPU: every row reads only its own adapter's weights, straight from the slot buffers.
+//
+// Letters: T rows, T_a rows with an adapter, V virtual slots, H_in / H_out_i in / out features.
+// For each row q of `order` (T_a rows grouped by adapter), t = order[q], s = sid[q] its virtual slot,
+// and each slice i with r = ranks_i[s] > 0 (A_i: [V page, H_in], BT_i: [V page, H_out_i], row s*page
+// the adapter's first rank row; BT holds scale * B.T):
+//     v[j]  = T(sum_h x[t, h] A_i[s*page + j, h])                      j < r, fp32 accumulation
+//     y[t, off_i + c] = T(y[t, off_i + c] + T(sum_j v[j] BT_i[s*page + j, c]))
+// the roundings of the embedding_bag path (v and the delta in the activations' dtype, then one add).
+// Rows without an adapter are not in `order`, so they are neither read nor written.
+//
+// Rows are split between threads in contiguous halves (at::parallel_for on PyTorch's own OpenMP
+// pool); in adapter order each thread reads about half the adapters. A step's adapters are cold in
+// cache (30 layers' weights in play, about 2 MB per q/k/v call at 45 rank-8 adapters), so before a
+// segment computes, the next segment's weights are read once (`touch`), which streams them from
+// memory faster than the compute's own scattered loads and prefetch hints did (q/k/v call of 64 rows
+// over 46 adapters, 30 layers cycling: 98 -> 75 us with the bf16 pairs below; prefetch hints: no
+// change). With bf16 weights on a CPU with AVX512-BF16, the shrink multiplies bf16 pairs
+// (vdpbf16ps, what oneDNN's bf16 GEMMs use on such CPUs). The vector paths are picked at run time;
+// the scalar path is the same arithmetic for other CPUs (and the tests).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define LORAPLEX_X86 1
+#define LORAPLEX_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+#endif
+
+namespace {
+
+template <typename T>
+struct Problem {
+  const T* x;
+  T* y;
+  int64_t x_stride, y_stride, h_in, page;
+  const int64_t* order;
+  const int64_t* sid;
+  std::vector<const T*> a, bt;
+  std::vector<const int32_t*> ranks;
+  std::vector<int64_t> h_out, offsets;
+};
+
+// ---- scalar path ----
+
+template <typename T>
+void rows_scalar(const Problem<T>& p, int64_t begin, int64_t end) {
+  std::vector<float> xf(p.h_in), v;
+  for (int64_t q = begin; q < end; ++q) {
+    const int64_t t = p.order[q], s = p.sid[q];
+    const T* xr = p.x + t * p.x_stride;
+    for (int64_t h = 0; h < p.h_in; ++h) xf[h] = float(xr[h]);
+    for (size_t i = 0; i < p.a.size(); ++i) {
+      const int64_t r = p.ranks[i][s];
+      if (r <= 0) continue;
+      v.assign(r, 0.f);
+      const T* a = p.a[i] + s * p.page * p.h_in;
+      for (int64_t j = 0; j < r; ++j) {
+        float acc = 0.f;
+        for (int64_t h = 0; h < p.h_in; ++h) acc += xf[h] * float(a[j * p.h_in + h]);
+        v[j] = float(T(acc));
+      }
+      const int64_t ho = p.h_out[i];
+      const T* b = p.bt[i] + s * p.page * ho;
+      T* yr = p.y + t * p.y_stride + p.offsets[i];
+      for (int64_t c = 0; c < ho; ++c) {
+        float acc = 0.f;
+        for (int64_t j = 0; j < r; ++j) acc += v[j] * float(b[j * ho + c]);
+        yr[c] = T(float(yr[c]) + float(T(acc)));
+      }
+    }
+  }
+}
+
+#ifdef LORAPLEX_X86
+// ---- AVX-512 path: 16 fp32 lanes, loads and stores converting from / to the storage type ----
+
+LORAPLEX_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+LORAPLEX_AVX512 inline __m512 load16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+LORAPLEX_AVX512 inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
+// fp32 -> bf16 bits, round to nearest even, NaN -> 0x7FC0 (c10::BFloat16's conversion)
+LORAPLEX_AVX512 inline __m256i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+LORAPLEX_AVX512 inline __m256i f16_bits(__m512 v) {
+  return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+LORAPLEX_AVX512 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+LORAPLEX_AVX512 inline void store16(c10::BFloat16* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, bf16_bits(v)); }
+LORAPLEX_AVX512 inline void store16(c10::Half* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, f16_bits(v)); }
+
+// v rounded to the storage type and back (identity for fp32)
+LORAPLEX_AVX512 inline __m512 round16(__m512 v, const float*) { return v; }
+LORAPLEX_AVX512 inline __m512 round16(__m512 v, const c10::BFloat16*) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16));
+}
+LORAPLEX_AVX512 inline __m512 round16(__m512 v, const c10::Half*) { return _mm512_cvtph_ps(f16_bits(v)); }
+
+// Reads `bytes` from ptr and drops them: brings them into cache before the compute's loads.
+LORAPLEX_AVX512 inline void touch(const void* ptr, int64_t bytes) {
+  const char* c = static_cast<const char*>(ptr);
+  __m512i acc = _mm512_setzero_si512();
+  for (int64_t b = 0; b + 64 <= bytes; b += 64) acc = _mm512_or_si512(acc, _mm512_loadu_si512(c + b));
+  asm volatile("" : : "v"(acc));
+}
+
+// v[j] = sum_h xf[h] a[j, h] for j < r (rows of a h apart), four rows at a time sharing each x load
+template <typename T>
+LORAPLEX_AVX512 void shrink_row(const float* xf, const T* a, int64_t h, int64_t r, float* v) {
+  const int64_t hv = h - h % 16;
+  int64_t j = 0;
+  for (; j + 4 <= r; j += 4) {
+    const T *a0 = a + j * h, *a1 = a0 + h, *a2 = a1 + h, *a3 = a2 + h;
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (int64_t c = 0; c < hv; c += 16) {
+      const __m512 xv = _mm512_loadu_ps(xf + c);
+      s0 = _mm512_fmadd_ps(load16(a0 + c), xv, s0);
+      s1 = _mm512_fmadd_ps(load16(a1 + c), xv, s1);
+      s2 = _mm512_fmadd_ps(load16(a2 + c), xv, s2);
+      s3 = _mm512_fmadd_ps(load16(a3 + c), xv, s3);
+    }
+    float t0 = _mm512_reduce_add_ps(s0), t1 = _mm512_reduce_add_ps(s1);
+    float t2 = _mm512_reduce_add_ps(s2), t3 = _mm512_reduce_add_ps(s3);
+    for (int64_t c = hv; c < h; ++c) {
+      t0 += xf[c] * float(a0[c]);
+      t1 += xf[c] * float(a1[c]);
+      t2 += xf[c] * float(a2[c]);
+      t3 += xf[c] * float(a3[c]);
+    }
+    v[j] = t0, v[j + 1] = t1, v[j + 2] = t2, v[j + 3] = t3;
+  }
+  for (; j < r; ++j) {
+    const T* a0 = a + j * h;
+    __m512 s0 = _mm512_setzero_ps();
+    for (int64_t c = 0; c < hv; c += 16) s0 = _mm512_fmadd_ps(load16(a0 + c), _mm512_loadu_ps(xf + c), s0);
+    float t0 = _mm512_reduce_add_ps(s0);
+    for (int64_t c = hv; c < h; ++c) t0 += xf[c] * float(a0[c]);
+    v[j] = t0;
+  }
+}
+
+#define LORAPLEX_AVX512_BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512bf16")))
+
+// shrink_row for bf16 x and a, multiplying bf16 pairs into fp32 sums (vdpbf16ps), 32 values a load.
+// Not inlined: only this function may hold AVX512-BF16 instructions (called only where the CPU has them).
+LORAPLEX_AVX512_BF16 __attribute__((noinline)) void shrink_row_bf16(const c10::BFloat16* x, const float* xf, const c10::BFloat16* a, int64_t h,
+                                          int64_t r, float* v) {
+  const int64_t hv = h - h % 32;
+  int64_t j = 0;
+  for (; j + 4 <= r; j += 4) {
+    const c10::BFloat16 *a0 = a + j * h, *a1 = a0 + h, *a2 = a1 + h, *a3 = a2 + h;
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (int64_t c = 0; c < hv; c += 32) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + c);
+      s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_loadu_si512(a0 + c), xv);
+      s1 = _mm512_dpbf16_ps(s1, (__m512bh)_mm512_loadu_si512(a1 + c), xv);
+      s2 = _mm512_dpbf16_ps(s2, (__m512bh)_mm512_loadu_si512(a2 + c), xv);
+      s3 = _mm512_dpbf16_ps(s3, (__m512bh)_mm512_loadu_si512(a3 + c), xv);
+    }
+    float t0 = _mm512_reduce_add_ps(s0), t1 = _mm512_reduce_add_ps(s1);
+    float t2 = _mm512_reduce_add_ps(s2), t3 = _mm512_reduce_add_ps(s3);
+    for (int64_t c = hv; c < h; ++c) {
+      t0 += xf[c] * float(a0[c]);
+      t1 += xf[c] * float(a1[c]);
+      t2 += xf[c] * float(a2[c]);
+      t3 += xf[c] * float(a3[c]);
+    }
+    v[j] = t0, v[j + 1] = t1, v[j + 2] = t2, v[j + 3] = t3;
+  }
+  if (j < r) shrink_row(xf, a + j * h, h, r - j, v + j);
+}
+
+// y[c] = T(y[c] + T(sum_j v[j] b[j, c])) for c < n (rows of b n apart)
+template <typename T>
+LORAPLEX_AVX512 void expand_row(const float* v, const T* b, int64_t r, int64_t n, T* y) {
+  const int64_t nv = n - n % 16;
+  for (int64_t c = 0; c < nv; c += 16) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < r; ++j) acc = _mm512_fmadd_ps(_mm512_set1_ps(v[j]), load16(b + j * n + c), acc);
+    store16(y + c, _mm512_add_ps(load16(y + c), round16(acc, y)));
+  }
+  for (int64_t c = nv; c < n; ++c) {
+    float acc = 0.f;
+    for (int64_t j = 0; j < r; ++j) acc += v[j] * float(b[j * n + c]);
+    y[c] = T(float(y[c]) + float(T(acc)));
+  }
+}
+
+template <typename T>
+LORAPLEX_AVX512 void rows_avx512(const Problem<T>& p, int64_t begin, int64_t end, bool bf16_pairs) {
+  const size_t k = p.a.size();
+  std::vector<float> xf(p.h_in), v;
+  auto fetch = [&](int64_t s) {  // this slot's A rows and BT rows of every slice
+    for (size_t i = 0; i < k; ++i) {
+      const int64_t r = p.ranks[i][s];
+      if (r <= 0) continue;
+      touch(p.a[i] + s * p.page * p.h_in, r * p.h_in * int64_t(sizeof(T)));
+      touch(p.bt[i] + s * p.page * p.h_out[i], r * p.h_out[i] * int64_t(sizeof(T)));
+    }
+  };
+  std::vector<int64_t> starts;  // first row of each segment in [begin, end)
+  for (int64_t q = begin; q < end; ++q)
+    if (q == begin || p.sid[q] != p.sid[q - 1]) starts.push_back(q);
+  const int64_t num_segments = starts.size();
+  starts.push_back(end);
+  for (int64_t g = 0; g < num_segments; ++g) {
+    if (g + 1 < num_segments) fetch(p.sid[starts[g + 1]]);
+    const int64_t s = p.sid[starts[g]];
+    for (int64_t q = starts[g]; q < starts[g + 1]; ++q) {
+      const int64_t t = p.order[q];
+      const T* xr = p.x + t * p.x_stride;
+      const int64_t hv = p.h_in - p.h_in % 16;
+      for (int64_t h = 0; h < hv; h += 16) _mm512_storeu_ps(xf.data() + h, load16(xr + h));
+      for (int64_t h = hv; h < p.h_in; ++h) xf[h] = float(xr[h]);
+      for (size_t i = 0; i < k; ++i) {
+        const int64_t r = p.ranks[i][s];
+        if (r <= 0) continue;
+        v.resize(r);
+        const T* a = p.a[i] + s * p.page * p.h_in;
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (bf16_pairs) shrink_row_bf16(xr, xf.data(), a, p.h_in, r, v.data());
+          else shrink_row(xf.data(), a, p.h_in, r, v.data());
+        } else {
+          shrink_row(xf.data(), a, p.h_in, r, v.data());
+        }
+        for (int64_t j = 0; j < r; ++j) v[j] = float(T(v[j]));
+        expand_row(v.data(), p.bt[i] + s * p.page * p.h_out[i], r, p.h_out[i], p.y + t * p.y_stride + p.offsets[i]);
+      }
+    }
+  }
+}
+
+bool has_avx512_bf16() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16");
+  }();
+  return yes;
+}
+
+bool has_avx512() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }();
+  return yes;
+}
+#else
+bool has_avx512() { return false; }
+bool has_avx512_bf16() { return false; }
+#endif
+
+template <typename T>
+void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& order, const at::Tensor& sid,
+         const std::vector<at::Tensor>& A, const std::vector<at::Tensor>& BT, const std::vector<at::Tensor>& ranks,
+         const std::vector<int64_t>& offsets, int64_t page, bool vec) {
+  Problem<T> p;
+  p.x = x.data_ptr<T>();
+  p.y = y.data_ptr<T>();
+  p.x_stride = x.stride(0);
+  p.y_stride = y.stride(0);
+  p.h_in = x.size(1);
+  p.page = page;
+  p.order = order.data_ptr<int64_t>();
+  p.sid = sid.data_ptr<int64_t>();
+  for (size_t i = 0; i < A.size(); ++i) {
+    p.a.push_back(A[i].data_ptr<T>());
+    p.bt.push_back(BT[i].data_ptr<T>());
+    p.ranks.push_back(ranks[i].data_ptr<int32_t>());
+    p.h_out.push_back(BT[i].size(1));
+    p.offsets.push_back(offsets[i]);
+  }
+  const int64_t n = order.numel();
+  const int64_t grain = std::max<int64_t>(1, (n + at::get_num_threads() - 1) / at::get_num_threads());
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+#ifdef LORAPLEX_X86
+    if (vec) return rows_avx512(p, begin, end, has_avx512_bf16());
+#endif
+    rows_scalar(p, begin, end);
+  });
+}
+
+}  // namespace
+
+bool avx512_available() { return has_avx512(); }
+bool avx512_bf16_available() { return has_avx512() && has_avx512_bf16(); }
+
+void bgmv(at::Tensor y, at::Tensor x, at::Tensor order, at::Tensor sid, std::vector<at::Tensor> A,
+          std::vector<at::Tensor> BT, std::vector<at::Tensor> ranks, std::vector<int64_t> offsets, int64_t page,
+          bool vec) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, "bgmv: unsupported dtype ", dtype);
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && y.scalar_type() == dtype,
+              "bgmv: x [T, H_in] and y [T, H] of one dtype expected");
+  TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1, "bgmv: x and y need contiguous rows");
+  TORCH_CHECK(order.scalar_type() == at::kLong && sid.scalar_type() == at::kLong && order.is_contiguous() &&
+                  sid.is_contiguous() && order.numel() == sid.numel(),
+              "bgmv: order and sid must be contiguous int64 tensors of one length");
+  TORCH_CHECK(page > 0 && A.size() == BT.size() && A.size() == ranks.size() && A.size() == offsets.size(),
+              "bgmv: one A, BT, ranks and offset per slice");
+  const int64_t* ord = order.data_ptr<int64_t>();
+  const int64_t* sd = sid.data_ptr<int64_t>();
+  for (size_t i = 0; i < A.size(); ++i) {
+    TORCH_CHECK(A[i].scalar_type() == dtype && BT[i].scalar_type() == dtype && A[i].is_contiguous() &&
+                    BT[i].is_contiguous() && A[i].dim() == 2 && BT[i].dim() == 2 && A[i].size(1) == x.size(1) &&
+                    A[i].size(0) == BT[i].size(0),
+                "bgmv: slice ", i, ": A [V page, H_in] and BT [V page, H_out] contiguous in the dtype of x");
+    TORCH_CHECK(ranks[i].scalar_type() == at::kInt && ranks[i].is_contiguous() && ranks[i].numel() * page == A[i].size(0),
+                "bgmv: slice ", i, ": ranks must be int32 [V] with V x page = rows of A");
+    TORCH_CHECK(offsets[i] >= 0 && offsets[i] + BT[i].size(1) <= y.size(1), "bgmv: slice ", i, " runs past y");
+    const int32_t* rk = ranks[i].data_ptr<int32_t>();
+    for (int64_t q = 0; q < order.numel(); ++q) {
+      TORCH_CHECK(ord[q] >= 0 && ord[q] < x.size(0) && sd[q] >= 0 && sd[q] < ranks[i].numel(),
+                  "bgmv: row or slot out of range");
+      TORCH_CHECK(sd[q] * page + rk[sd[q]] <= A[i].size(0), "bgmv: rank runs past the slot buffers");
+    }
+  }
+  vec = vec && has_avx512();
+  if (dtype == at::kBFloat16) run<c10::BFloat16>(y, x, order, sid, A, BT, ranks, offsets, page, vec);
+  else if (dtype == at::kHalf) run<c10::Half>(y, x, order, sid, A, BT, ranks, offsets, page, vec);
+  else run<float>(y, x, order, sid, A, BT, ranks, offsets, page, vec);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("bgmv", &bgmv, "Multi-adapter LoRA, one adapter per row, in place on y (see the file's header)");
+  m.def("avx512_available", &avx512_available, "Whether this CPU runs the AVX-512 path");
+  m.def("avx512_bf16_available", &avx512_bf16_available, "Whether its bf16 shrink multiplies bf16 pairs");
+}

@@ -1,0 +1,64 @@
+"""The compiled CPU BGMV kernel (loraplex/kernels/csrc/bgmv_cpu.cpp): that it builds here, and what it
+refuses. Its maths is checked against the dense truth with the other CPU paths (test_lora_reference)."""
+
+import pytest
+import torch
+from lora_cases import make_case
+
+from loraplex.kernels import cpu_ext
+
+
+@pytest.fixture(scope="module")
+def ext():
+    return cpu_ext.get()
+
+
+def test_builds_and_runs_the_vector_path_on_an_avx512_cpu(ext):
+    """CI's machine has a compiler: the kernel must build there, not fall back to the gathers."""
+    assert ext is not None
+    flags = open("/proc/cpuinfo").read().split()
+    assert ext.avx512_available() == all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
+    assert ext.avx512_bf16_available() == (ext.avx512_available() and "avx512_bf16" in flags)
+    assert cpu_ext.module_name().startswith("loraplex_bgmv_cpu_")
+
+
+def _args(case):
+    order = case.meta.row_order
+    sid = case.meta.slot_ids.to(torch.int64)[order]
+    w = case.slices[0]
+    a, bt = w.flat()
+    return case.y.clone(), case.x, order, sid, [a], [bt], [w.ranks], [0], w.page, True
+
+
+def test_refuses_rows_and_slots_out_of_range_without_writing(ext):
+    case = make_case(6, "uniform", 3, torch.float32, 32, [16], "zero", seed=3)
+    y, x, order, sid, a, bt, ranks, offsets, page, vec = _args(case)
+    before = y.clone()
+    with pytest.raises(RuntimeError, match="row or slot out of range"):
+        ext.bgmv(y, x, order, sid + 10_000, a, bt, ranks, offsets, page, vec)
+    with pytest.raises(RuntimeError, match="row or slot out of range"):
+        ext.bgmv(y, x, order + 6, sid, a, bt, ranks, offsets, page, vec)
+    with pytest.raises(RuntimeError, match="runs past y"):
+        ext.bgmv(y, x, order, sid, a, bt, ranks, [1], page, vec)
+    with pytest.raises(RuntimeError, match="unsupported dtype Double"):
+        ext.bgmv(y.double(), x.double(), order, sid, a, bt, ranks, offsets, page, vec)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ext.bgmv(y.half(), x, order, sid, a, bt, ranks, offsets, page, vec)
+    with pytest.raises(RuntimeError, match="in the dtype of x"):
+        ext.bgmv(y.half(), x.half(), order, sid, a, bt, ranks, offsets, page, vec)
+    assert torch.equal(y.view(torch.int32), before.view(torch.int32))  # bits: idle rows hold NaN
+
+
+def test_turned_off_or_unbuildable_falls_back_to_the_gathers(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_ext, "enabled", False)
+    assert cpu_ext.get() is None
+    monkeypatch.setattr(cpu_ext, "enabled", True)
+    monkeypatch.setattr(cpu_ext, "_tried", False)
+    monkeypatch.setattr(cpu_ext, "_module", None)
+    monkeypatch.setattr(cpu_ext, "SOURCE", cpu_ext.SOURCE.with_name("missing.cpp"))
+    with caplog.at_level("WARNING", logger="loraplex.kernels.cpu_ext"):
+        assert cpu_ext.get() is None
+        assert cpu_ext.get() is None  # tried once: no second build, no second warning
+    assert [r.getMessage() for r in caplog.records] == [
+        f"CPU LoRA kernel not built (FileNotFoundError: [Errno 2] No such file or directory: "
+        f"{str(cpu_ext.SOURCE)!r}); many-adapter CPU steps use the slower embedding_bag gathers"]
