@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraplex.kernels import cpu_ext
 from loraplex.kernels.metadata import LoRAMeta, build_lora_meta
 from loraplex.kernels.reference import (
     add_lora_bgmv,
@@ -80,7 +81,8 @@ class LoRAWeights:
     them (pages interleaved by h cost 165 against 104 us per q/k/v shrink, 30 layers' tables in play).
     The slices of one fused projection (q, k, v; gate, up) share one AT with W = k x page, their pages
     side by side (`empty_group`), so one gather shrinks all k slices; alone, W = page. These are the
-    tables the CPU gather path (`add_lora_bgmv`) reads.
+    tables the CPU gather path (`add_lora_bgmv`) reads. The compiled CPU kernel reads A and BT, so
+    where it is built AT is not kept (None): no memory for it, no strided writes into it per placement.
     """
 
     A: torch.Tensor
@@ -110,17 +112,23 @@ class LoRAWeights:
 
     @classmethod
     def empty(cls, num_slots: int, max_rank: int, in_features: int, out_features: int,
-              dtype: torch.dtype, device: torch.device | str, page: int = 0) -> LoRAWeights:
+              dtype: torch.dtype, device: torch.device | str, page: int = 0,
+              shrink_mirror: bool | None = None) -> LoRAWeights:
         """Zeroed buffers for `num_slots` physical slots of rank up to `max_rank`, in virtual slots of
-        `page` rows (0: one per physical slot). The CPU mirrors are allocated on a CPU device."""
-        return cls.empty_group(num_slots, max_rank, in_features, [out_features], dtype, device, page)[0]
+        `page` rows (0: one per physical slot). The CPU mirrors are allocated on a CPU device: BT always,
+        AT when `shrink_mirror` (None: only where the compiled CPU kernel is not built, `cpu_ext`, since
+        only the embedding_bag gathers read it)."""
+        return cls.empty_group(num_slots, max_rank, in_features, [out_features], dtype, device, page,
+                               shrink_mirror)[0]
 
     @classmethod
     def empty_group(cls, num_slots: int, max_rank: int, in_features: int, out_features: Sequence[int],
-                    dtype: torch.dtype, device: torch.device | str, page: int = 0) -> list[LoRAWeights]:
+                    dtype: torch.dtype, device: torch.device | str, page: int = 0,
+                    shrink_mirror: bool | None = None) -> list[LoRAWeights]:
         """`empty` buffers for the k slices of one fused projection (one per entry of `out_features`),
-        sharing one CPU shrink mirror `AT` [S, P, H_in, k x page]."""
-        stacks = LoRAStack.empty_group(1, num_slots, max_rank, in_features, out_features, dtype, device, page)
+        sharing one CPU shrink mirror `AT` [S, P, H_in, k x page] when there is one."""
+        stacks = LoRAStack.empty_group(1, num_slots, max_rank, in_features, out_features, dtype, device, page,
+                                       shrink_mirror)
         return [stack.layers[0] for stack in stacks]
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,6 +207,7 @@ def _zero_rows(buf, phys: int, row: int, n: int, page: int, col: int, keep: int 
         kept = -(-keep // page) * page  # rows of the pages the copy wrote whole
         if n > kept:
             _at_pages(buf.AT[..., phys, :, :, :], row + kept, n - kept, page, col).zero_()
+    if buf.BT is not None:
         buf.BT[..., phys, row + keep:row + n, :].zero_()
 
 
@@ -214,6 +223,7 @@ def _copy_rows(buf, phys: int, row: int, A: torch.Tensor, B: torch.Tensor, scale
     buf.B[..., phys, :, row:row + r].copy_(B, non_blocking=True)
     if buf.AT is not None:
         _at_pages(buf.AT[..., phys, :, :, :], row, r, page, col).copy_(_as_pages(A, page))
+    if buf.BT is not None:
         buf.BT[..., phys, row:row + r, :].copy_((B.float() * scale).transpose(-1, -2))
 
 
@@ -260,23 +270,26 @@ class LoRAStack:
 
     @classmethod
     def empty(cls, num_layers: int, num_slots: int, max_rank: int, in_features: int, out_features: int,
-              dtype: torch.dtype, device: torch.device | str, page: int = 0) -> LoRAStack:
+              dtype: torch.dtype, device: torch.device | str, page: int = 0,
+              shrink_mirror: bool | None = None) -> LoRAStack:
         """Zeroed buffers of `num_layers` layers (see `LoRAWeights.empty` for the other arguments)."""
         return cls.empty_group(num_layers, num_slots, max_rank, in_features, [out_features], dtype, device,
-                               page)[0]
+                               page, shrink_mirror)[0]
 
     @classmethod
     def empty_group(cls, num_layers: int, num_slots: int, max_rank: int, in_features: int,
                     out_features: Sequence[int], dtype: torch.dtype, device: torch.device | str,
-                    page: int = 0) -> list[LoRAStack]:
+                    page: int = 0, shrink_mirror: bool | None = None) -> list[LoRAStack]:
         """One stack per slice of a fused projection (k = len(out_features)), sharing one CPU shrink
-        mirror AT [L, S, P, H_in, k x page]."""
+        mirror AT [L, S, P, H_in, k x page] when there is one (`LoRAWeights.empty`)."""
         page = page or max_rank
         num_virtual = num_slots * max_rank // page
         on_cpu = torch.device(device).type == "cpu"
+        if on_cpu and shrink_mirror is None:
+            shrink_mirror = cpu_ext.get() is None
         k = len(out_features)
         AT = (torch.zeros(num_layers, num_slots, max_rank // page, in_features, k * page, dtype=dtype)
-              if on_cpu else None)
+              if on_cpu and shrink_mirror else None)
         stacks = []
         for i, h_out in enumerate(out_features):
             A = torch.zeros(num_layers, num_slots, max_rank, in_features, dtype=dtype, device=device)
@@ -457,7 +470,7 @@ def _pick_backend(x: torch.Tensor, meta: LoRAMeta, slices: Sequence[LoRAWeights]
     max_n, max_tn = PACKED_LIMITS.get(x.dtype, PACKED_LIMITS_16BIT)
     if n <= max_n and meta.num_tokens * n <= max_tn:
         return "packed"
-    return "bgmv" if all(w.AT is not None for w in slices) else "segmented"
+    return "bgmv" if all(w.BT is not None for w in slices) else "segmented"
 
 
 def _split_long_segments(meta: LoRAMeta) -> tuple[LoRAMeta | None, LoRAMeta | None]:
@@ -497,7 +510,7 @@ def _dispatch(y: torch.Tensor, x: torch.Tensor, slices: Sequence[LoRAWeights], m
     if backend == "packed":
         return add_lora_packed(y, x, slices, meta, offsets)
     if backend == "bgmv":
-        if any(w.AT is None for w in slices):
+        if any(w.BT is None for w in slices):
             raise ValueError("the bgmv path reads the CPU mirrors of LoRAWeights.empty(device='cpu')")
         # prefill chunks through dense matmuls, the rest gathered per row (forced bgmv: every row)
         long, short = _split_long_segments(meta) if _backend == "auto" else (None, meta)

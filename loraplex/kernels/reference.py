@@ -202,6 +202,10 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
     ext = cpu_ext.get() if x.device.type == "cpu" else None
     if ext is not None:
         return add_lora_bgmv_compiled(ext, y, x, slices, meta, offsets)
+    if any(w.AT is None for w in slices):
+        raise ValueError("the embedding_bag gathers read the AT shrink mirrors, which these slot buffers were "
+                         "made without (the compiled CPU kernel was built then): LoRAWeights.empty(..., "
+                         "shrink_mirror=True)")
     plan = _bgmv_plan(meta, slices[0])
     rows, n_max = plan["rows"], plan["n_max"]
     xs = x.index_select(0, meta.row_order)  # [T_a, H_in], rows grouped by adapter (see _bgmv_plan)

@@ -101,7 +101,8 @@ def make_slices(h_in: int, h_outs: list[int], dtype: torch.dtype, gen: torch.Gen
     adapter owns (beyond an adapter's rank, and pages of no adapter) is NaN.
     """
     slices = []
-    group = LoRAWeights.empty_group(NUM_SLOTS, MAX_RANK, h_in, h_outs, dtype, DEVICE, page=page)  # shared AT
+    # with the shared shrink mirror AT (the embedding_bag gathers read it; the compiled kernel does not)
+    group = LoRAWeights.empty_group(NUM_SLOTS, MAX_RANK, h_in, h_outs, dtype, DEVICE, page=page, shrink_mirror=True)
     for i, (h_out, w) in enumerate(zip(h_outs, group, strict=True)):
         layout = [(s, MAX_RANK) for s in range(NUM_SLOTS)] if not page else paged_layout(page)
         for k, (s, capacity) in enumerate(layout):

@@ -3,9 +3,10 @@ refuses. Its maths is checked against the dense truth with the other CPU paths (
 
 import pytest
 import torch
-from lora_cases import make_case
+from lora_cases import assert_matches, make_case
 
-from loraplex.kernels import cpu_ext
+from loraplex.kernels import LoRAWeights, cpu_ext
+from loraplex.kernels.reference import add_lora_bgmv
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,25 @@ def test_refuses_rows_and_slots_out_of_range_without_writing(ext):
     with pytest.raises(RuntimeError, match="in the dtype of x"):
         ext.bgmv(y.half(), x.half(), order, sid, a, bt, ranks, offsets, page, vec)
     assert torch.equal(y.view(torch.int32), before.view(torch.int32))  # bits: idle rows hold NaN
+
+
+def test_slot_buffers_skip_the_gathers_mirror_where_the_kernel_is_built(ext, monkeypatch):
+    """Buffers made by default have no AT (only the embedding_bag gathers read it): the compiled path
+    runs on them and matches the dense truth; the gathers refuse them with a clear error."""
+    case = make_case(24, "zipf", 8, torch.bfloat16, 64, [48, 16], "zero", seed=5, page=8)
+    plain = LoRAWeights.empty_group(*case.slices[0].A.shape[:3], [w.B.shape[1] for w in case.slices],
+                                    torch.bfloat16, "cpu", page=8)
+    assert all(w.AT is None and w.BT is not None for w in plain)
+    for w, full in zip(plain, case.slices, strict=True):
+        for s, r in enumerate(full.ranks_list):
+            if r:
+                w.set_slot(s, full.a_rows(s, r), full.b_cols(s, r), full.scales_list[s])
+    y = case.y.clone()
+    add_lora_bgmv(y, case.x, plain, case.meta, case.offsets)
+    assert_matches(y, case, case.y)
+    monkeypatch.setattr(cpu_ext, "enabled", False)
+    with pytest.raises(ValueError, match="gathers read the AT shrink mirrors"):
+        add_lora_bgmv(case.y.clone(), case.x, plain, case.meta, case.offsets)
 
 
 def test_turned_off_or_unbuildable_falls_back_to_the_gathers(monkeypatch, caplog):

@@ -181,7 +181,8 @@ def test_bgmv_slices_with_their_own_shrink_mirrors(page):
     case = make_case(29, "zipf", 8, torch.float32, 40, [32, 16, 16], "zero", seed=31, page=page)
     alone = []
     for w in case.slices:
-        own = LoRAWeights.empty(w.A.shape[0], w.A.shape[1], w.A.shape[2], w.B.shape[1], w.A.dtype, "cpu", page=page)
+        own = LoRAWeights.empty(w.A.shape[0], w.A.shape[1], w.A.shape[2], w.B.shape[1], w.A.dtype, "cpu", page=page,
+                                shrink_mirror=True)
         for s, r in enumerate(w.ranks_list):
             if r:
                 own.set_slot(s, w.a_rows(s, r), w.b_cols(s, r), w.scales_list[s])
@@ -229,8 +230,9 @@ def test_stack_writes_every_layer_as_per_layer_writes_would():
 
     gen = torch.Generator().manual_seed(21)
     L, S, R, H_in, H_out, page = 3, 2, 16, 12, 10, 4
-    stack = LoRAStack.empty(L, S, R, H_in, H_out, torch.bfloat16, "cpu", page=page)
-    singles = [LoRAWeights.empty(S, R, H_in, H_out, torch.bfloat16, "cpu", page=page) for _ in range(L)]
+    stack = LoRAStack.empty(L, S, R, H_in, H_out, torch.bfloat16, "cpu", page=page, shrink_mirror=True)
+    singles = [LoRAWeights.empty(S, R, H_in, H_out, torch.bfloat16, "cpu", page=page, shrink_mirror=True)
+               for _ in range(L)]
 
     def write(slot, r, ranks, scales):
         A = torch.randn(L, r, H_in, generator=gen)
@@ -276,13 +278,13 @@ def test_a_write_over_another_leaves_what_a_write_into_empty_buffers_does(ranks)
     weights = [(torch.randn(L, r, H_in, generator=gen), torch.randn(L, H_out, r, generator=gen)) for r in ranks]
 
     def stack_of(writes):
-        stack = LoRAStack.empty(L, S, R, H_in, H_out, torch.bfloat16, "cpu", page=page)
+        stack = LoRAStack.empty(L, S, R, H_in, H_out, torch.bfloat16, "cpu", page=page, shrink_mirror=True)
         for A, B in writes:
             stack.set_slot(4, A, B, [A.shape[1]] * L, [2.0] * L)
         return stack
 
     def single_of(writes):
-        w = LoRAWeights.empty(S, R, H_in, H_out, torch.bfloat16, "cpu", page=page)
+        w = LoRAWeights.empty(S, R, H_in, H_out, torch.bfloat16, "cpu", page=page, shrink_mirror=True)
         for A, B in writes:
             w.set_slot(4, A[0], B[0], 2.0)
         return w
