@@ -10,8 +10,9 @@ Several slices (q, k, v of a fused qkv projection; gate and up) share one x and 
 
 Backends: "triton" (SGMV kernels, CUDA), "segmented" (PyTorch reference, one matmul pair per
 segment), "packed" (PyTorch, one matmul pair for all adapters; CPU path for few adapters), "bgmv"
-(PyTorch `embedding_bag`, each row reads only its own adapter; CPU path for many adapters, with
-prefill-sized segments split off to "packed"). `LORAPLEX_LORA_BACKEND` or `set_backend` forces one;
+(each row reads only its own adapter, in the compiled CPU kernel `cpu_ext` where it is built, else
+through PyTorch `embedding_bag`; CPU path for many adapters, with prefill-sized segments split off to
+dense matmul pairs). `LORAPLEX_LORA_BACKEND` or `set_backend` forces one;
 "auto" picks Triton on CUDA, and on CPU packed up to N <= 48 (bf16/fp16), else bgmv. Forcing
 "triton" on CPU tensors runs the kernels in the Triton interpreter, which needs TRITON_INTERPRET=1 set
 before the kernels module is first imported (tests).
@@ -49,7 +50,9 @@ _backend = os.environ.get("LORAPLEX_LORA_BACKEND", "auto")
 # so its cost does not grow with the number of adapters. With all 30 layers' weights in play (caches
 # cold, as in a real step), at 104 rows: 1-4 adapters cost 80-135 us per layer (q/k/v/o) packed
 # against 160-200 us with bgmv; 8 adapters 220 against 212, 12 adapters 272 against 249; at 32 rows
-# the same crossing. So packed up to N = 48 (six rank-8 adapters).
+# the same crossing. So packed up to N = 48 (six rank-8 adapters). Those bgmv numbers are the
+# embedding_bag gathers'; the compiled kernel is cheaper from about four adapters on, but within this
+# VM's noise of packed up to six (docs/kernels.md), so the limit stays.
 # fp32 keeps the limit measured against the older per-row path (bgmv not re-measured in fp32).
 PACKED_LIMITS = {torch.float32: (1024, 160 * 1024)}  # dtype -> (max N, max T x N)
 PACKED_LIMITS_16BIT = (48, 1024 * 1024)
