@@ -118,6 +118,18 @@ LORAPLEX_AVX512 inline void touch(const void* ptr, int64_t bytes) {
   asm volatile("" : : "v"(acc));
 }
 
+// v[0..3] = the lane sums of s0..s3 plus rows a0, a0 + h, ... times xf over columns hv .. h - 1 (the
+// tail the vector loop left)
+template <typename T>
+LORAPLEX_AVX512 inline void finish4(__m512 s0, __m512 s1, __m512 s2, __m512 s3, const float* xf, const T* a0,
+                                    int64_t h, int64_t hv, float* v) {
+  float t[4] = {_mm512_reduce_add_ps(s0), _mm512_reduce_add_ps(s1), _mm512_reduce_add_ps(s2),
+                _mm512_reduce_add_ps(s3)};
+  for (int i = 0; i < 4; ++i)
+    for (int64_t c = hv; c < h; ++c) t[i] += xf[c] * float(a0[i * h + c]);
+  for (int i = 0; i < 4; ++i) v[i] = t[i];
+}
+
 // v[j] = sum_h xf[h] a[j, h] for j < r (rows of a h apart), four rows at a time sharing each x load
 template <typename T>
 LORAPLEX_AVX512 void shrink_row(const float* xf, const T* a, int64_t h, int64_t r, float* v) {
@@ -133,15 +145,7 @@ LORAPLEX_AVX512 void shrink_row(const float* xf, const T* a, int64_t h, int64_t 
       s2 = _mm512_fmadd_ps(load16(a2 + c), xv, s2);
       s3 = _mm512_fmadd_ps(load16(a3 + c), xv, s3);
     }
-    float t0 = _mm512_reduce_add_ps(s0), t1 = _mm512_reduce_add_ps(s1);
-    float t2 = _mm512_reduce_add_ps(s2), t3 = _mm512_reduce_add_ps(s3);
-    for (int64_t c = hv; c < h; ++c) {
-      t0 += xf[c] * float(a0[c]);
-      t1 += xf[c] * float(a1[c]);
-      t2 += xf[c] * float(a2[c]);
-      t3 += xf[c] * float(a3[c]);
-    }
-    v[j] = t0, v[j + 1] = t1, v[j + 2] = t2, v[j + 3] = t3;
+    finish4(s0, s1, s2, s3, xf, a0, h, hv, v + j);
   }
   for (; j < r; ++j) {
     const T* a0 = a + j * h;
@@ -158,8 +162,9 @@ LORAPLEX_AVX512 void shrink_row(const float* xf, const T* a, int64_t h, int64_t 
 
 // shrink_row for bf16 x and a, multiplying bf16 pairs into fp32 sums (vdpbf16ps), 32 values a load.
 // Not inlined: only this function may hold AVX512-BF16 instructions (called only where the CPU has them).
-LORAPLEX_AVX512_BF16 __attribute__((noinline)) void shrink_row_bf16(const c10::BFloat16* x, const float* xf, const c10::BFloat16* a, int64_t h,
-                                          int64_t r, float* v) {
+LORAPLEX_AVX512_BF16 __attribute__((noinline)) void shrink_row_bf16(const c10::BFloat16* x, const float* xf,
+                                                                    const c10::BFloat16* a, int64_t h, int64_t r,
+                                                                    float* v) {
   const int64_t hv = h - h % 32;
   int64_t j = 0;
   for (; j + 4 <= r; j += 4) {
@@ -172,15 +177,7 @@ LORAPLEX_AVX512_BF16 __attribute__((noinline)) void shrink_row_bf16(const c10::B
       s2 = _mm512_dpbf16_ps(s2, (__m512bh)_mm512_loadu_si512(a2 + c), xv);
       s3 = _mm512_dpbf16_ps(s3, (__m512bh)_mm512_loadu_si512(a3 + c), xv);
     }
-    float t0 = _mm512_reduce_add_ps(s0), t1 = _mm512_reduce_add_ps(s1);
-    float t2 = _mm512_reduce_add_ps(s2), t3 = _mm512_reduce_add_ps(s3);
-    for (int64_t c = hv; c < h; ++c) {
-      t0 += xf[c] * float(a0[c]);
-      t1 += xf[c] * float(a1[c]);
-      t2 += xf[c] * float(a2[c]);
-      t3 += xf[c] * float(a3[c]);
-    }
-    v[j] = t0, v[j + 1] = t1, v[j + 2] = t2, v[j + 3] = t3;
+    finish4(s0, s1, s2, s3, xf, a0, h, hv, v + j);
   }
   if (j < r) shrink_row(xf, a + j * h, h, r - j, v + j);
 }
@@ -307,6 +304,8 @@ void bgmv(at::Tensor y, at::Tensor x, at::Tensor order, at::Tensor sid, std::vec
           bool vec) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, "bgmv: unsupported dtype ", dtype);
+  TORCH_CHECK(x.device().is_cpu() && y.device().is_cpu() && order.device().is_cpu() && sid.device().is_cpu(),
+              "bgmv: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && y.scalar_type() == dtype,
               "bgmv: x [T, H_in] and y [T, H] of one dtype expected");
   TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1, "bgmv: x and y need contiguous rows");
@@ -318,6 +317,8 @@ void bgmv(at::Tensor y, at::Tensor x, at::Tensor order, at::Tensor sid, std::vec
   const int64_t* ord = order.data_ptr<int64_t>();
   const int64_t* sd = sid.data_ptr<int64_t>();
   for (size_t i = 0; i < A.size(); ++i) {
+    TORCH_CHECK(A[i].device().is_cpu() && BT[i].device().is_cpu() && ranks[i].device().is_cpu(),
+                "bgmv: slice ", i, ": CPU tensors only");
     TORCH_CHECK(A[i].scalar_type() == dtype && BT[i].scalar_type() == dtype && A[i].is_contiguous() &&
                     BT[i].is_contiguous() && A[i].dim() == 2 && BT[i].dim() == 2 && A[i].size(1) == x.size(1) &&
                     A[i].size(0) == BT[i].size(0),
