@@ -52,7 +52,10 @@ def _build_kernels(args: argparse.Namespace) -> int:
     from loraplex.kernels import cpu_ext
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return 0 if cpu_ext.get() is not None else 1
+    if not cpu_ext.enabled:
+        print("the CPU LoRA kernel is turned off (LORAPLEX_CPU_KERNEL=0)", file=sys.stderr)
+        return 1
+    return 0 if cpu_ext.load() is not None else 1
 
 
 def main(argv: list[str] | None = None) -> int:

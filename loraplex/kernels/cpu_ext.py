@@ -1,11 +1,18 @@
-"""The compiled CPU BGMV kernel (`csrc/bgmv_cpu.cpp`), built once per machine and PyTorch version.
+"""The compiled CPU BGMV kernel (`csrc/bgmv_cpu.cpp`), built once per machine, checkout and PyTorch
+version.
 
 PyTorch's C++ extension loader compiles it with the machine's C++ compiler and ninja (about 20 s on
-a 2-core CPU) into PyTorch's extension cache (`$TORCH_EXTENSIONS_DIR`, default
-`~/.cache/torch_extensions`); later processes load the built library in well under a second.
-`scripts/install` builds it (`loraplex build-kernels`), so a server's first start does not. Where it cannot be built (no compiler, a build error) `get()` logs why once and
-returns None, and the CPU path falls back to the `embedding_bag` gathers (`reference.add_lora_bgmv`).
+a 2-core CPU) under `$TORCH_EXTENSIONS_DIR/loraplex` (default `~/.cache/torch_extensions/loraplex`);
+later processes load the built library in about 0.1 s. `scripts/install` builds it (`loraplex
+build-kernels`), so a server's first start does not. `get()` hands it out only on CPUs with AVX-512
+(its scalar path is the same maths but about 5x slower than the `embedding_bag` gathers, which run
+instead elsewhere). Where it cannot be built (no compiler, a build error) `get()` logs why once and
+returns None, and the CPU path falls back to the gathers (`reference.add_lora_bgmv`).
 `LORAPLEX_CPU_KERNEL=0` turns it off.
+
+Builds are serialized by an OS lock on a file next to the build directory (released if the process
+dies); holding it, a lock file that PyTorch's loader left from a killed build is stale and removed,
+so an interrupted build cannot make later starts wait forever.
 
 The library is linked against OpenMP and parallelizes with `at::parallel_for`, so it runs on
 PyTorch's own thread pool (the process has one libgomp, PyTorch's): no second team of threads
@@ -14,6 +21,7 @@ competes with the engine's on a small machine.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -26,8 +34,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "bgmv_cpu.cpp"
-CFLAGS = ["-O3", "-fopenmp"]
-LDFLAGS = ["-fopenmp"]
+CFLAGS = ("-O3", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 
 _lock = threading.Lock()
 _module = None
@@ -37,17 +45,31 @@ vectorized = True  # the AVX-512 path where the CPU has it; False runs the scala
 
 
 def module_name() -> str:
-    """Name of the built library: the source, flags and PyTorch version hashed in, so a change to any
-    of them builds a new one instead of loading a stale one."""
+    """Name of the built library: the source, its path (one build per checkout: PyTorch's build files
+    name the source by path, and another checkout's would rebuild it), flags and PyTorch version hashed
+    in, so a change to any of them builds a new one instead of loading a stale one."""
     digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(" ".join([torch.__version__, *CFLAGS, *LDFLAGS]).encode())
+    digest.update(" ".join([str(SOURCE.resolve()), torch.__version__, *CFLAGS, *LDFLAGS]).encode())
     return f"loraplex_bgmv_cpu_{digest.hexdigest()[:12]}"
 
 
+def build_root() -> Path:
+    """Where the builds go: `$TORCH_EXTENSIONS_DIR/loraplex`, default `~/.cache/torch_extensions/loraplex`."""
+    base = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(base).expanduser() / "loraplex"
+
+
 def get():
-    """The compiled module (functions `bgmv`, `avx512_available`, `avx512_bf16_available`), building it on first use; None when
-    turned off or when it cannot be built (the reason is logged once). Thread-safe; PyTorch's
-    loader also locks the build directory against other processes building it at the same time."""
+    """The compiled module for the engine (functions `bgmv`, `avx512_available`,
+    `avx512_bf16_available`): None when turned off, when it cannot be built, or on a CPU without
+    AVX-512 (each logged once). Builds it on first use. Thread-safe."""
+    module = load()
+    return module if module is not None and module.avx512_available() else None
+
+
+def load():
+    """The compiled module whatever the CPU (the tests run its scalar path), building it on first
+    use; None when turned off or when it cannot be built."""
     global _module, _tried
     if not enabled:
         return None
@@ -65,13 +87,27 @@ def _build():
 
     start = time.perf_counter()
     try:
-        module = cpp_extension.load(name=module_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                                    extra_ldflags=LDFLAGS, verbose=False)
+        name = module_name()
+        build_dir = build_root() / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with open(build_root() / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process building it: wait for it, then load
+            (build_dir / "lock").unlink(missing_ok=True)  # PyTorch's, left by a killed build: stale
+            if not (build_dir / f"{name}.so").exists():
+                logger.warning("building the CPU LoRA kernel (once per machine and checkout, about 20 s)")
+            module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+                                        extra_ldflags=list(LDFLAGS), build_directory=str(build_dir),
+                                        verbose=False)
     except Exception as exc:  # no compiler or ninja, a build error: the gather path still works
-        reason = (str(exc).strip().splitlines() or [""])[-1]  # a compiler's last line says most
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        # the compiler's own complaint (an error, a missing program) says more than ninja's last line
+        said = [line for line in lines if "error:" in line.lower() or "not found" in line.lower()][:3]
         logger.warning("CPU LoRA kernel not built (%s: %s); many-adapter CPU steps use the slower "
-                       "embedding_bag gathers", type(exc).__name__, reason)
+                       "embedding_bag gathers", type(exc).__name__, " | ".join(said or lines[-1:]))
         return None
     logger.info("CPU LoRA kernel ready in %.1f s (AVX-512: %s, AVX512-BF16: %s)", time.perf_counter() - start,
                 module.avx512_available(), module.avx512_bf16_available())
+    if not module.avx512_available():
+        logger.warning("this CPU has no AVX-512: many-adapter CPU steps use the embedding_bag gathers, "
+                       "faster here than the kernel's scalar path")
     return module

@@ -14,16 +14,34 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the compiled 
 
 @pytest.fixture(scope="module")
 def ext():
-    return cpu_ext.get()
+    return cpu_ext.load()
 
 
-def test_builds_and_runs_the_vector_path_on_an_avx512_cpu(ext):
-    """CI's machine has a compiler: the kernel must build there, not fall back to the gathers."""
+def test_builds_and_serves_the_engine_only_on_an_avx512_cpu(ext):
+    """CI's machine has a compiler: the kernel must build there, not fall back to the gathers; the
+    engine gets it where the CPU has AVX-512 (its scalar path is slower than the gathers)."""
     assert ext is not None
     flags = open("/proc/cpuinfo").read().split()
     assert ext.avx512_available() == all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
     assert ext.avx512_bf16_available() == (ext.avx512_available() and "avx512_bf16" in flags)
+    assert (cpu_ext.get() is ext) == ext.avx512_available()
     assert cpu_ext.module_name().startswith("loraplex_bgmv_cpu_")
+    assert (cpu_ext.build_root() / cpu_ext.module_name() / f"{cpu_ext.module_name()}.so").exists()
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start(monkeypatch):
+    """PyTorch's loader waits forever on the lock file of a build that was killed; loraplex holds its
+    own OS lock while building, so such a file is stale and removed."""
+    import threading
+
+    (cpu_ext.build_root() / cpu_ext.module_name() / "lock").touch()
+    monkeypatch.setattr(cpu_ext, "_tried", False)
+    monkeypatch.setattr(cpu_ext, "_module", None)
+    loader = threading.Thread(target=cpu_ext.load, daemon=True)
+    loader.start()
+    loader.join(timeout=120)
+    assert not loader.is_alive() and cpu_ext._module is not None
+    assert not (cpu_ext.build_root() / cpu_ext.module_name() / "lock").exists()
 
 
 def _args(case):
@@ -38,12 +56,20 @@ def test_refuses_rows_and_slots_out_of_range_without_writing(ext):
     case = make_case(6, "uniform", 3, torch.float32, 32, [16], "zero", seed=3)
     y, x, order, sid, a, bt, ranks, offsets, page, vec = _args(case)
     before = y.clone()
-    with pytest.raises(RuntimeError, match="row or slot out of range"):
+    with pytest.raises(RuntimeError, match="slot out of range"):
         ext.bgmv(y, x, order, sid + 10_000, a, bt, ranks, offsets, page, vec)
-    with pytest.raises(RuntimeError, match="row or slot out of range"):
+    with pytest.raises(RuntimeError, match="row out of range or repeated"):
         ext.bgmv(y, x, order + 6, sid, a, bt, ranks, offsets, page, vec)
+    with pytest.raises(RuntimeError, match="row out of range or repeated"):  # two threads on one row
+        ext.bgmv(y, x, order[[0, 0]], sid[[0, 0]], a, bt, ranks, offsets, page, vec)
     with pytest.raises(RuntimeError, match="runs past y"):
         ext.bgmv(y, x, order, sid, a, bt, ranks, [1], page, vec)
+    with pytest.raises(RuntimeError, match="runs past y"):  # offset + H_out would overflow int64
+        ext.bgmv(y, x, order, sid, a, bt, ranks, [2**63 - 1], page, vec)
+    with pytest.raises(RuntimeError, match="one A, BT, ranks and offset per slice"):
+        ext.bgmv(y, x, order, sid, a, bt, ranks, offsets, 2**62, vec)  # V x page would overflow
+    with pytest.raises(RuntimeError, match="rows of y overlap"):
+        ext.bgmv(y[:1].expand(6, -1), x, order, sid, a, bt, ranks, offsets, page, vec)
     with pytest.raises(RuntimeError, match="CPU tensors only"):
         ext.bgmv(y.to("meta"), x.to("meta"), order, sid, a, bt, ranks, offsets, page, vec)
     with pytest.raises(RuntimeError, match="unsupported dtype Double"):

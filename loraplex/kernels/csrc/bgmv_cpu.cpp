@@ -7,7 +7,8 @@
 //     v[j]  = T(sum_h x[t, h] A_i[s*page + j, h])                      j < r, fp32 accumulation
 //     y[t, off_i + c] = T(y[t, off_i + c] + T(sum_j v[j] BT_i[s*page + j, c]))
 // the roundings of the embedding_bag path (v and the delta in the activations' dtype, then one add).
-// Rows without an adapter are not in `order`, so they are neither read nor written.
+// Rows without an adapter are not in `order`, so they are neither read nor written. y is written in
+// place, outside autograd (the engine runs under no_grad).
 //
 // Rows are split between threads in contiguous halves (at::parallel_for on PyTorch's own OpenMP
 // pool); in adapter order each thread reads about half the adapters. A step's adapters are cold in
@@ -16,8 +17,9 @@
 // memory faster than the compute's own scattered loads and prefetch hints did (q/k/v call of 64 rows
 // over 46 adapters, 30 layers cycling: 98 -> 75 us with the bf16 pairs below; prefetch hints: no
 // change). With bf16 weights on a CPU with AVX512-BF16, the shrink multiplies bf16 pairs
-// (vdpbf16ps, what oneDNN's bf16 GEMMs use on such CPUs). The vector paths are picked at run time;
-// the scalar path is the same arithmetic for other CPUs (and the tests).
+// (vdpbf16ps, what oneDNN's bf16 GEMMs use on such CPUs; it flushes bf16 subnormals to zero). The
+// vector paths are picked at run time. The scalar path is the same arithmetic, about 5x slower than
+// the gathers, so `cpu_ext` uses the kernel only on CPUs with AVX-512; the tests run both paths.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -309,13 +311,19 @@ void bgmv(at::Tensor y, at::Tensor x, at::Tensor order, at::Tensor sid, std::vec
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && y.scalar_type() == dtype,
               "bgmv: x [T, H_in] and y [T, H] of one dtype expected");
   TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1, "bgmv: x and y need contiguous rows");
+  TORCH_CHECK(y.size(0) <= 1 || y.stride(0) >= y.size(1), "bgmv: rows of y overlap in memory");
   TORCH_CHECK(order.scalar_type() == at::kLong && sid.scalar_type() == at::kLong && order.is_contiguous() &&
                   sid.is_contiguous() && order.numel() == sid.numel(),
               "bgmv: order and sid must be contiguous int64 tensors of one length");
-  TORCH_CHECK(page > 0 && A.size() == BT.size() && A.size() == ranks.size() && A.size() == offsets.size(),
+  TORCH_CHECK(page > 0 && page <= (int64_t(1) << 20) && A.size() == BT.size() && A.size() == ranks.size() && A.size() == offsets.size(),
               "bgmv: one A, BT, ranks and offset per slice");
   const int64_t* ord = order.data_ptr<int64_t>();
   const int64_t* sd = sid.data_ptr<int64_t>();
+  std::vector<char> seen(x.size(0), 0);  // each row once: two threads never write one row
+  for (int64_t q = 0; q < order.numel(); ++q) {
+    TORCH_CHECK(ord[q] >= 0 && ord[q] < x.size(0) && !seen[ord[q]], "bgmv: row out of range or repeated");
+    seen[ord[q]] = 1;
+  }
   for (size_t i = 0; i < A.size(); ++i) {
     TORCH_CHECK(A[i].device().is_cpu() && BT[i].device().is_cpu() && ranks[i].device().is_cpu(),
                 "bgmv: slice ", i, ": CPU tensors only");
@@ -323,16 +331,19 @@ void bgmv(at::Tensor y, at::Tensor x, at::Tensor order, at::Tensor sid, std::vec
                     BT[i].is_contiguous() && A[i].dim() == 2 && BT[i].dim() == 2 && A[i].size(1) == x.size(1) &&
                     A[i].size(0) == BT[i].size(0),
                 "bgmv: slice ", i, ": A [V page, H_in] and BT [V page, H_out] contiguous in the dtype of x");
-    TORCH_CHECK(ranks[i].scalar_type() == at::kInt && ranks[i].is_contiguous() && ranks[i].numel() * page == A[i].size(0),
+    // comparisons arranged so that no product or sum of caller values can overflow
+    TORCH_CHECK(ranks[i].scalar_type() == at::kInt && ranks[i].is_contiguous() && A[i].size(0) % page == 0 &&
+                    ranks[i].numel() == A[i].size(0) / page,
                 "bgmv: slice ", i, ": ranks must be int32 [V] with V x page = rows of A");
-    TORCH_CHECK(offsets[i] >= 0 && offsets[i] + BT[i].size(1) <= y.size(1), "bgmv: slice ", i, " runs past y");
+    TORCH_CHECK(offsets[i] >= 0 && BT[i].size(1) <= y.size(1) && offsets[i] <= y.size(1) - BT[i].size(1),
+                "bgmv: slice ", i, " runs past y");
     const int32_t* rk = ranks[i].data_ptr<int32_t>();
     for (int64_t q = 0; q < order.numel(); ++q) {
-      TORCH_CHECK(ord[q] >= 0 && ord[q] < x.size(0) && sd[q] >= 0 && sd[q] < ranks[i].numel(),
-                  "bgmv: row or slot out of range");
-      TORCH_CHECK(sd[q] * page + rk[sd[q]] <= A[i].size(0), "bgmv: rank runs past the slot buffers");
+      TORCH_CHECK(sd[q] >= 0 && sd[q] < ranks[i].numel(), "bgmv: slot out of range");
+      TORCH_CHECK(rk[sd[q]] <= A[i].size(0) - sd[q] * page, "bgmv: rank runs past the slot buffers");
     }
   }
+  pybind11::gil_scoped_release no_gil;  // other Python threads (the server's event loop) run meanwhile
   vec = vec && has_avx512();
   if (dtype == at::kBFloat16) run<c10::BFloat16>(y, x, order, sid, A, BT, ranks, offsets, page, vec);
   else if (dtype == at::kHalf) run<c10::Half>(y, x, order, sid, A, BT, ranks, offsets, page, vec);
