@@ -149,8 +149,8 @@ def main() -> None:
                 base_tps.append(pair["base"])
                 lora_tps.append(pair["lora"])
                 ratios.append(pair["lora"] / pair["base"])
-            print(f"| {max_loras} | {n} | {median(lora_tps):.0f} | {median(base_tps):.0f} | {median(ratios):.2f} | "
-                  f"{min(ratios):.2f}-{max(ratios):.2f} | {median(batches):.1f} | {hits / max(1, hits + misses):.2f} | "
+            print(f"| {max_loras} | {n} | {median(lora_tps):.0f} | {median(base_tps):.0f} | {median(ratios):.3f} | "
+                  f"{min(ratios):.3f}-{max(ratios):.3f} | {median(batches):.1f} | {hits / max(1, hits + misses):.2f} | "
                   f"{median(loads):.0f} |", flush=True)
         print()
         if k < len(runs) - 1:
