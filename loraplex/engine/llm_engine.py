@@ -21,7 +21,7 @@ from loraplex.engine.model import LlamaModel
 from loraplex.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from loraplex.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
-from loraplex.kernels import attach_fused_shrink, cpu_ext
+from loraplex.kernels import attach_fused_shrink
 
 
 def pick_device(device: str | torch.device) -> torch.device:
@@ -107,8 +107,6 @@ class LLMEngine:
                 linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
                 for linear, group in zip(linears, LORA_FUSED_GROUPS, strict=True):
                     attach_fused_shrink(linear, [buffers[m] for m in group])
-        if self.device.type == "cpu" and self.config.max_loras:
-            cpu_ext.get()  # build or load the many-adapter CPU kernel now, not in the first step that needs it
         self.scheduler = Scheduler(self.config, self.block_manager, self.adapters)
         self.runner = ModelRunner(self.model, self.block_manager, self.dtype, self.device)
         self.requests: dict[str, Request] = {}

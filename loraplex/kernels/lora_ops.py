@@ -288,8 +288,8 @@ class LoRAStack:
         page = page or max_rank
         num_virtual = num_slots * max_rank // page
         on_cpu = torch.device(device).type == "cpu"
-        if on_cpu and shrink_mirror is None:
-            shrink_mirror = cpu_ext.get() is None
+        if on_cpu and shrink_mirror is None:  # builds or loads the kernel once a process: at engine start
+            shrink_mirror = num_slots > 0 and cpu_ext.get() is None
         k = len(out_features)
         AT = (torch.zeros(num_layers, num_slots, max_rank // page, in_features, k * page, dtype=dtype)
               if on_cpu and shrink_mirror else None)

@@ -15,6 +15,7 @@ the result (Punica's SGMV segments):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -41,7 +42,6 @@ class LoRAMeta:
     seg_starts_list: list[int]
     seg_lens_list: list[int]
     slot_ranks: list[int] | None = None
-    active_slots: frozenset[int] = frozenset()  # the step's slots, for the per-projection "any adapter here?" test
     _packed: dict | None = None
     _bgmv: dict | None = None
     _split: tuple | None = None
@@ -52,6 +52,11 @@ class LoRAMeta:
     @property
     def num_segments(self) -> int:
         return len(self.seg_slots_list)
+
+    @cached_property
+    def active_slots(self) -> frozenset[int]:
+        """The step's slots, for the per-projection "does any adapter here target it?" test."""
+        return frozenset(self.seg_slots_list)
 
     @property
     def has_lora(self) -> bool:
@@ -115,5 +120,4 @@ def build_lora_meta(slot_ids: list[int] | torch.Tensor, device: torch.device | s
         seg_starts_list=seg_starts,
         seg_lens_list=seg_lens,
         slot_ranks=slot_ranks,
-        active_slots=frozenset(seg_slots),
     )

@@ -237,8 +237,8 @@ def add_lora_bgmv_compiled(ext, y: torch.Tensor, x: torch.Tensor, slices, meta: 
                            offsets: list[int]) -> torch.Tensor:
     """`add_lora_bgmv` in the compiled kernel `ext` (`cpu_ext.get()`; semantics and roundings in
     csrc/bgmv_cpu.cpp): one call per projection, rows in adapter order split between PyTorch's threads,
-    each row's shrink and expand read from A [V page, H_in] and BT [V page, H_out] with the next
-    segments' weights prefetched. The AT mirrors are not read. Returns y."""
+    each row's shrink and expand read from A [V page, H_in] and BT [V page, H_out], the next
+    segment's weights read ahead. The AT mirrors are not read. Returns y."""
     if meta._bgmv is None:
         meta._bgmv = {}
     rows = meta._bgmv.get("compiled")
