@@ -21,7 +21,7 @@ import torch
 
 from loraplex.bench.metrics import RequestRecord, RunStats
 from loraplex.bench.workload import BenchRequest, Workload
-from loraplex.engine.request import SamplingParams
+from loraplex.engine.sampling_params import SamplingParams
 
 BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names
 

@@ -2,8 +2,10 @@
 
 The step loop runs in its own thread, so a forward pass never blocks the event loop. Requests and
 aborts reach it through a command queue (the engine is single-threaded); deltas come back through one
-asyncio queue per request. Leaving the `async for` early (a client that disconnects) aborts the request
-and frees its KV blocks.
+asyncio queue per call (`submit`), a call being all the requests of one API request. Leaving the
+`async for` of `generate` early (a client that disconnects) aborts the request and frees its KV blocks.
+A step that raises (no request to blame) aborts every request with `RequestOutput.error` set, and the
+loop keeps serving.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ import uuid
 from collections.abc import AsyncIterator
 
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.request import RequestOutput, SamplingParams
+from loraplex.engine.request import RequestOutput
+from loraplex.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 class AsyncLLM:
-    """Same arguments as `loraplex.LLM`. Use `generate` to stream, `abort` to cancel."""
+    """Same arguments as `loraplex.LLM`. `submit` queues one call's requests (a server's path; the waiting
+    queue sheds what it has no room for), `generate` streams one request, `abort` cancels."""
 
     def __init__(self, model: str = "smollm2-135m-instruct", **kwargs):
         self.engine = LLMEngine(model, **kwargs)
@@ -33,38 +37,51 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
         self._thread.start()
 
-    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
-                       adapter: str | None = None, request_id: str | None = None,
-                       tenant_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream deltas of one request; the last one has `finish_reason` set.
+    async def submit(self, prompts: list[list[int]], params: list[SamplingParams], request_ids: list[str], *,
+                     adapter: str | None = None, tenant_id: str | None = None) -> asyncio.Queue:
+        """Queue one call's requests, all or none, and return the asyncio queue that every delta of theirs
+        arrives on (`RequestOutput.request_id` tells which; the last of each has `finish_reason` set).
 
-        Raises ValueError (from `LLMEngine.add_request`) before the first delta if the request is refused.
+        Raises, before anything is queued, ValueError if a request is refused for its input and
+        EngineOverloadedError if the waiting queue has no room. The caller `abort`s the requests it stops
+        reading before they finish.
         """
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue = asyncio.Queue()
-        rid = request_id or f"async-{uuid.uuid4().hex}"
         try:
-            await self._call(self.engine.add_request, prompt_token_ids, sampling_params, adapter, rid, tenant_id,
-                             stream=(loop, deltas))
+            await self._call(self._add, prompts, params, adapter, request_ids, tenant_id, (loop, deltas))
         except asyncio.CancelledError:
             # The add may run after we stop waiting; the queue is FIFO, so this abort comes after it.
-            self._commands.put((self.engine.abort_request, (rid,), None, concurrent.futures.Future()))
+            self.abort_nowait(*request_ids)
             raise
+        return deltas
+
+    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
+                       adapter: str | None = None, request_id: str | None = None,
+                       tenant_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream deltas of one request; the last one has `finish_reason` set. Raises as `submit` does,
+        before the first delta. Leaving the loop early aborts the request."""
+        rid = request_id or f"async-{uuid.uuid4().hex}"
+        deltas = await self.submit([prompt_token_ids], [sampling_params or SamplingParams()], [rid],
+                                   adapter=adapter, tenant_id=tenant_id)
         finished = False
         try:
-            while True:
+            while not finished:
                 out = await deltas.get()
                 finished = out.finished
                 yield out
-                if finished:
-                    return
         finally:
             if not finished:
-                self._commands.put((self.engine.abort_request, (rid,), None, concurrent.futures.Future()))
+                self.abort_nowait(rid)
 
-    async def abort(self, request_id: str) -> None:
-        """Abort a request; its resources are freed before this returns."""
-        await self._call(self.engine.abort_request, request_id)
+    async def abort(self, *request_ids: str) -> None:
+        """Abort requests (unknown or finished ids are skipped); their resources are freed before this
+        returns, and a stream still read gets each one's last delta."""
+        await self._call(self._abort, *request_ids)
+
+    def abort_nowait(self, *request_ids: str) -> None:
+        """`abort` without waiting for it: safe from synchronous code (a `finally`, a callback)."""
+        self._commands.put((self._abort, request_ids, concurrent.futures.Future()))
 
     async def call(self, fn, *args):
         """Run `fn(*args)` on the engine thread (e.g. `engine.adapters.register`), returning its result."""
@@ -75,13 +92,22 @@ class AsyncLLM:
         self._thread.join(timeout=10)
 
     # engine thread ------------------------------------------------------------------------------
-    async def _call(self, fn, *args, stream=None):
+    async def _call(self, fn, *args):
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((fn, args, stream, fut))
+        self._commands.put((fn, args, fut))
         return await asyncio.wrap_future(fut)
 
+    def _add(self, prompts, params, adapter, request_ids, tenant_id, stream) -> None:
+        self.engine.add_requests(prompts, params, adapter, request_ids, tenant_id, shed=True)
+        for rid in request_ids:
+            self._streams[rid] = stream
+
+    def _abort(self, *request_ids: str) -> None:
+        outs = [self.engine.abort_request(rid) for rid in request_ids]
+        self._deliver(*(o for o in outs if o is not None))
+
     def _run_command(self, cmd) -> None:
-        fn, args, stream, fut = cmd
+        fn, args, fut = cmd
         cancelled = not fut.set_running_or_notify_cancel()  # the caller stopped waiting
         try:
             result = fn(*args)
@@ -89,24 +115,27 @@ class AsyncLLM:
             if not cancelled:
                 fut.set_exception(exc)
             return
-        if isinstance(result, RequestOutput) and stream is None:
-            self._deliver(result)  # an abort: the stream (if still read) gets its last delta
-        if stream is not None:
-            self._streams[result.request_id] = stream
         if not cancelled:
             fut.set_result(result)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is None:
-            return
-        if out.finished:
-            del self._streams[out.request_id]
-        loop, deltas = stream
-        try:
-            loop.call_soon_threadsafe(deltas.put_nowait, out)
-        except RuntimeError:  # the consumer's event loop is closed: nobody reads this stream
-            pass
+    def _deliver(self, *outs: RequestOutput) -> None:
+        """Hand outputs to the queues of their streams: one wake-up of each consumer's event loop for all
+        of a step's outputs, not one per output (each wake-up is a syscall and a GIL hand-over that the
+        engine thread waits on)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            loop, deltas = stream
+            by_loop.setdefault(loop, []).append((deltas, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the consumer's event loop is closed: nobody reads these streams
+                pass
 
     def _loop(self) -> None:
         while True:
@@ -124,23 +153,28 @@ class AsyncLLM:
             if not self.engine.has_unfinished_requests():
                 continue
             try:
-                for out in self.engine.step():
-                    self._deliver(out)
-            except Exception:  # a failed step must not kill the thread: end every request, keep serving
+                self._deliver(*self.engine.step())
+            except Exception as exc:  # no request to blame (the forward pass): end the batch, keep serving
                 logger.exception("engine step failed; aborting all requests")
-                self._abort_all()
+                self._abort_all(f"the engine step failed: {type(exc).__name__}: {exc}")
 
-    def _abort_all(self) -> None:
+    def _abort_all(self, error: str) -> None:
         for rid in list(self.engine.requests):
             try:
-                self.engine.abort_request(rid)
+                self.engine.requests[rid].error = error
+                self._abort(rid)
             except Exception:
                 logger.exception("abort of %s failed", rid)
-        for rid, (loop, deltas) in list(self._streams.items()):
+        for rid, (loop, deltas) in list(self._streams.items()):  # streams whose abort failed above
             del self._streams[rid]
             out = RequestOutput(request_id=rid, prompt_token_ids=[], token_ids=[], text="", finish_reason="abort",
-                                adapter=None)
+                                adapter=None, error=error)
             try:
                 loop.call_soon_threadsafe(deltas.put_nowait, out)
             except RuntimeError:
                 pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for deltas, out in items:
+        deltas.put_nowait(out)

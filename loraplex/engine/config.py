@@ -120,6 +120,14 @@ class EngineConfig:
     (when 8 divides max_lora_rank; otherwise a page is a whole slot).
     max_lora_rank: the largest rank `r` an adapter may have. max_cpu_loras: adapters kept in host memory
     (None: no limit).
+    max_num_waiting_seqs / max_num_waiting_tokens: how many requests beyond the running batch's free
+    places, and how many tokens still to be prefilled, the waiting queue takes from a server (`AsyncLLM`)
+    before it sheds new ones with `EngineOverloadedError` (`Scheduler.has_room`); None derives them: one
+    more batch of requests (max_num_seqs) and 32 steps of prefill (32 x max_num_batched_tokens).
+    max_queue_wait_s: the server also sheds a call whose last request would wait longer than this for a
+    place in the batch, estimated from the running requests' remaining tokens and the recent step time
+    (None: no bound in time). An empty queue always takes a call, however large. The offline `LLM`
+    queues everything it is given.
     """
 
     max_num_seqs: int = 64
@@ -131,6 +139,9 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     max_model_len: int | None = None
     num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests)
+    max_num_waiting_seqs: int | None = None
+    max_num_waiting_tokens: int | None = None
+    max_queue_wait_s: float | None = 10.0
     static_batching: bool = False  # benchmark baseline: admit a new batch only when the last one is done
     seed: int = 0
 
@@ -145,5 +156,14 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_num_waiting_seqs is None:
+            self.max_num_waiting_seqs = self.max_num_seqs
+        if self.max_num_waiting_tokens is None:
+            self.max_num_waiting_tokens = 32 * self.max_num_batched_tokens
+        for name in ("max_num_waiting_seqs", "max_num_waiting_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue_wait_s is not None and not self.max_queue_wait_s > 0:
+            raise ValueError(f"max_queue_wait_s must be > 0 seconds or None, got {self.max_queue_wait_s}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError("max_cpu_loras must be >= max_loras")

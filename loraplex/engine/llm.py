@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.request import RequestOutput, SamplingParams
+from loraplex.engine.request import RequestOutput
+from loraplex.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

@@ -2,11 +2,19 @@
 
 `step()` is schedule, execute, update (nano-vllm's shape). Not thread-safe: one thread drives it
 (`LLM` in the caller's thread, `AsyncLLM` in its own).
+
+Faults are isolated per request (vLLM isolates a failing request the same way): an exception in one
+request's sampling, stop check or detokenization ends that request alone with finish reason "abort" and
+`RequestOutput.error`, and every other request of the step goes on. Only an exception that belongs to
+no request (the forward pass, the scheduler) leaves `step()`; the caller then aborts the batch and
+steps on (`AsyncLLM` does).
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, wait
 from pathlib import Path
 
@@ -16,12 +24,16 @@ from loraplex.adapters.manager import AdapterInUseError, AdapterManager
 from loraplex.engine.block_manager import BlockManager, cdiv
 from loraplex.engine.config import LORA_FUSED_GROUPS, EngineConfig, ModelConfig
 from loraplex.engine.detokenizer import IncrementalDetokenizer
+from loraplex.engine.errors import EngineOverloadedError
 from loraplex.engine.loader import DUMMY_CONFIGS, iter_safetensors, load_config, resolve_model
 from loraplex.engine.model import LlamaModel
-from loraplex.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
-from loraplex.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
+from loraplex.engine.model_runner import ModelRunner, StepResult, kv_cache_bytes_per_block
+from loraplex.engine.request import Request, RequestOutput, RequestStatus
+from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.kernels import attach_fused_shrink
+
+logger = logging.getLogger(__name__)
 
 
 def pick_device(device: str | torch.device) -> torch.device:
@@ -114,14 +126,54 @@ class LLMEngine:
         self.num_steps = 0
         self.num_batched_rows = 0  # sum over steps of the requests scheduled in the step
         self.num_generated_tokens = 0
+        # Test hook for fault isolation: called as inject_fault(stage, request) at "sample" (before the
+        # request's token is sampled) and "update" (before it is appended and checked for a stop), where
+        # what it raises is a fault of that request, and as inject_fault("forward", None) before each
+        # forward pass, where it is a fault of the step. None in production.
+        self.inject_fault: Callable[[str, Request | None], None] | None = None
 
     # requests -----------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     adapter: str | None = None, request_id: str | None = None,
                     tenant_id: str | None = None) -> Request:
-        """Queue a request. Raises ValueError for an empty or too long prompt, a duplicate id or an
-        unknown adapter (nothing is queued)."""
-        params = params or SamplingParams()
+        """Queue a request. Raises ValueError for an empty or too long prompt, out-of-vocabulary token
+        ids or sampling values (a ParamError naming the field), a duplicate id or an unknown adapter
+        (nothing is queued)."""
+        return self.add_requests([prompt_token_ids], [params or SamplingParams()], adapter,
+                                 None if request_id is None else [request_id], tenant_id)[0]
+
+    def add_requests(self, prompts: list[list[int]], params: list[SamplingParams], adapter: str | None = None,
+                     request_ids: list[str] | None = None, tenant_id: str | None = None, *,
+                     shed: bool = False) -> list[Request]:
+        """Queue one call's requests (a prompt list, `n` choices) all or none: every one is checked as in
+        `add_request` before any is queued. shed=True (a server) also raises EngineOverloadedError, with
+        nothing queued, when the waiting queue has no room for them (`Scheduler.has_room`)."""
+        if adapter is not None and adapter not in self.adapters:
+            raise ValueError(f"adapter {adapter!r} is not loaded")
+        ids = request_ids if request_ids is not None else [None] * len(prompts)
+        reqs = [self._make_request(p, sp, adapter, rid, tenant_id)
+                for p, sp, rid in zip(prompts, params, ids, strict=True)]
+        if len({r.request_id for r in reqs}) < len(reqs):
+            raise ValueError("request ids within one call must be distinct")
+        num_tokens = sum(r.num_prompt_tokens for r in reqs)
+        if shed and not self.scheduler.has_room(len(reqs), num_tokens):
+            sched, cfg = self.scheduler, self.config
+            raise EngineOverloadedError(
+                f"the engine's waiting queue is full: {len(sched.waiting)} requests with {sched.num_waiting_tokens} "
+                f"tokens to prefill and an estimated wait of {sched.estimated_wait_s(len(reqs)):.1f} s (bounds "
+                f"{cfg.max_num_waiting_seqs} beyond free places, {cfg.max_num_waiting_tokens} tokens, "
+                f"{cfg.max_queue_wait_s} s)")
+        if adapter is not None:
+            self.adapters.failed.pop(adapter, None)  # a new request retries a load that failed before
+        for req in reqs:
+            self.requests[req.request_id] = req
+            self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.sampling_params.stop)
+            self.scheduler.add_request(req)
+        return reqs
+
+    def _make_request(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None,
+                      request_id: str | None, tenant_id: str | None) -> Request:
+        """A checked, not yet queued request (ValueError as in `add_request`)."""
         n = len(prompt_token_ids)
         max_len = self.model_config.max_model_len
         if n == 0:
@@ -133,19 +185,13 @@ class LLMEngine:
         if cdiv(need, self.block_manager.block_size) > self.block_manager.num_blocks:
             raise ValueError(f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) needs {need} tokens of "
                              f"KV cache, but the whole cache holds {capacity} tokens")
-        if adapter is not None and adapter not in self.adapters:
-            raise ValueError(f"adapter {adapter!r} is not loaded")
-        if adapter is not None:
-            self.adapters.failed.pop(adapter, None)  # a new request retries a load that failed before
         if any(t < 0 or t >= self.model_config.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
+        params.check_vocab(self.model_config.vocab_size)
         kwargs = {"request_id": request_id} if request_id is not None else {}
         req = Request(list(prompt_token_ids), params, adapter=adapter, tenant_id=tenant_id, **kwargs)
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        self.requests[req.request_id] = req
-        self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
-        self.scheduler.add_request(req)
         return req
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -174,28 +220,58 @@ class LLMEngine:
         if sched.is_empty and self.adapters.loading:
             # Everything runnable waits on adapter loads: sleep until one lands instead of spinning.
             wait([f for f, _ in self.adapters.loading.values()], timeout=0.1, return_when=FIRST_COMPLETED)
-        tokens = self.runner.execute(sched, self.adapters.slot_ranks) if not sched.is_empty else {}
+        result = StepResult()
+        if not sched.is_empty:
+            started = time.perf_counter()
+            before_sample = None
+            if self.inject_fault is not None:
+                self.inject_fault("forward", None)
+                before_sample = lambda r: self.inject_fault("sample", r)  # noqa: E731
+            result = self.runner.execute(sched, self.adapters.slot_ranks, before_sample)
+            self.scheduler.observe_step_time(sched, time.perf_counter() - started)
         self.num_steps += 1
         self.num_batched_rows += len(sched.requests)
-        return self._update(sched, tokens)
+        return self._update(sched, result)
 
-    def _update(self, sched: SchedulerOutput, tokens: dict[str, int]) -> list[RequestOutput]:
+    def _update(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = [self._output(req, []) for req in sched.aborted]
         for req in sched.requests:
-            req.num_computed_tokens += sched.num_scheduled_tokens[req.request_id]
-            token = tokens.get(req.request_id)
-            if token is None:
+            rid = req.request_id
+            req.num_computed_tokens += sched.num_scheduled_tokens[rid]
+            token = result.tokens.get(rid)
+            if token is None and rid not in result.errors:
                 continue
-            req.output_token_ids.append(token)
-            self.num_generated_tokens += 1
-            if req.first_token_time is None:
-                req.first_token_time = now
-            status = self._check_stop(req, token)
-            if status is not None:
-                self.scheduler.finish(req, status)
-            outputs.append(self._output(req, [token]))
+            try:
+                if rid in result.errors:
+                    raise result.errors[rid]
+                if self.inject_fault is not None:
+                    self.inject_fault("update", req)
+                req.output_token_ids.append(token)
+                self.num_generated_tokens += 1
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                status = self._check_stop(req, token)
+                if status is not None:
+                    self.scheduler.finish(req, status)
+                outputs.append(self._output(req, [token]))
+            except Exception as exc:
+                outputs.append(self._fail(req, exc))
         return outputs
+
+    def _fail(self, req: Request, exc: Exception) -> RequestOutput:
+        """End `req` alone for a fault of its own; its last output carries the error."""
+        logger.error("request %s failed and was aborted: %r", req.request_id, exc, exc_info=exc)
+        req.error = f"{type(exc).__name__}: {exc}"
+        if not req.is_finished:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        else:  # finished by its stop check, then failed producing its output
+            req.status = RequestStatus.FINISHED_ABORTED
+        detok = self.detokenizers.pop(req.request_id, None)
+        self.requests.pop(req.request_id, None)
+        return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                             token_ids=list(req.output_token_ids), text=detok.text if detok else "",
+                             finish_reason=req.finish_reason, adapter=req.adapter, error=req.error)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
@@ -218,7 +294,7 @@ class LLMEngine:
         return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                              token_ids=list(req.output_token_ids), text=detok.text, finish_reason=req.finish_reason,
                              adapter=req.adapter, ttft_s=ttft, latency_s=latency, delta_text=delta,
-                             delta_token_ids=new_tokens)
+                             delta_token_ids=new_tokens, error=req.error)
 
 
 def _load_tokenizer(path: Path | None):

@@ -6,6 +6,9 @@ nKV key/value heads, D head dim.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 import torch
 
 from loraplex.engine.attention import AttentionMetadata, PrefillChunk
@@ -13,7 +16,7 @@ from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import ModelConfig
 from loraplex.engine.model import LlamaModel
 from loraplex.engine.request import Request
-from loraplex.engine.sampler import sample
+from loraplex.engine.sampler import sample_rows
 from loraplex.engine.scheduler import SchedulerOutput
 from loraplex.kernels import build_lora_meta
 
@@ -22,6 +25,15 @@ def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dty
     """Bytes of K and V for one block of `block_size` tokens across all layers."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * cfg.num_hidden_layers * block_size * cfg.kv_size * itemsize
+
+
+@dataclass
+class StepResult:
+    """What one step produced, by request id: the sampled token of each request whose tokens are now
+    all computed, or the exception its sampling raised (that request alone is ended)."""
+
+    tokens: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, Exception] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -95,12 +107,20 @@ class ModelRunner:
         as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)
         return as_tensor(ids), as_tensor(positions), attn, lora, sampled, sample_rows
 
-    def execute(self, sched: SchedulerOutput, slot_ranks: list[int]) -> dict[str, int]:
-        """Run one step; returns the sampled token of each request whose tokens are now all computed."""
+    def execute(self, sched: SchedulerOutput, slot_ranks: list[int],
+                before_sample: Callable[[Request], None] | None = None) -> StepResult:
+        """Run one step and sample. An exception of the forward pass propagates (no request is to blame);
+        one of a row's sampling is that row's entry in `StepResult.errors`."""
         input_ids, positions, attn, lora, sampled, rows = self.prepare(sched, slot_ranks)
         hidden = self.model(input_ids, positions, self.kv_caches, attn, lora)
+        result = StepResult()
         if not sampled:
-            return {}
+            return result
         logits = self.model.compute_logits(hidden[rows])  # [B, V]
-        tokens = sample(logits, sampled)
-        return {r.request_id: t for r, t in zip(sampled, tokens, strict=True)}
+        tokens, errors = sample_rows(logits, sampled, before_sample)
+        for req, token, error in zip(sampled, tokens, errors, strict=True):
+            if error is None:
+                result.tokens[req.request_id] = token
+            else:
+                result.errors[req.request_id] = error
+        return result

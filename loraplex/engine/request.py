@@ -1,4 +1,4 @@
-"""One request's state, its sampling parameters and what the user gets back."""
+"""One request's state and what the user gets back; its `SamplingParams` are in `sampling_params.py`."""
 
 from __future__ import annotations
 
@@ -8,44 +8,9 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from loraplex.engine.sampling_params import SamplingParams
 
-@dataclass
-class SamplingParams:
-    """How to pick each output token (the vLLM / OpenAI knobs).
-
-    temperature 0 is greedy; top_k -1 keeps every token; seed makes sampling reproducible in any batch
-    (the noise of output token n depends only on seed and n). stop strings end the text and are not
-    included; stop_token_ids end generation like EOS (the token is not in the text); ignore_eos keeps
-    generating to max_tokens (benchmarks). Raises ValueError for out-of-range values.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
-        self.stop_token_ids = list(self.stop_token_ids or [])
-
-    @property
-    def is_greedy(self) -> bool:
-        # Below 1e-5, logits / temperature overflows; vLLM treats such temperatures as greedy too.
-        return self.temperature < 1e-5
+__all__ = ["FINISH_REASONS", "Request", "RequestOutput", "RequestStatus", "SamplingParams"]
 
 
 class RequestStatus(enum.IntEnum):
@@ -93,6 +58,7 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     seed: int = 0
+    error: str | None = None  # why the engine ended it early (status FINISHED_ABORTED), for the caller
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is None:
@@ -131,6 +97,9 @@ class RequestOutput:
 
     token_ids/text: everything generated so far (in a delta: only the new part, see `delta_*`).
     ttft_s: seconds from arrival to the first output token; latency_s: arrival to finish.
+    error: set when the engine ended the request because of a fault of its own (finish_reason "abort"):
+    a failed adapter load, an exception in this request's sampling, stop check or detokenization, or a
+    failed forward pass. None for a request aborted by its caller.
     """
 
     request_id: str
@@ -143,6 +112,7 @@ class RequestOutput:
     latency_s: float | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

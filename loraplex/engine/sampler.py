@@ -6,9 +6,14 @@ A row's randomness comes from a generator seeded by (request seed, output index)
 shared stream, so a request with a seed yields the same tokens whatever else is in the batch and after
 preemption and recompute. Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) draws
 token i with probability p_i (the Gumbel-max trick in another form).
+
+`sample_rows` isolates rows: when the batched call raises, each row is sampled alone, so a request
+whose sampling fails ends alone and every other row gets the token it would have got.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -45,12 +50,40 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     return tokens
 
 
+def sample_rows(logits: torch.Tensor, requests: list[Request],
+                before: Callable[[Request], None] | None = None) -> tuple[list[int | None], list[Exception | None]]:
+    """`sample`, one row's failure ending that row alone. logits: [B, V] fp32.
+
+    Returns (tokens, errors): row i has a token and no error, or None and the exception its sampling
+    raised. `before(request)`, if given, runs before each row is sampled (`LLMEngine.inject_fault`); what
+    it raises counts as that row's failure.
+    """
+    try:
+        for req in requests if before is not None else ():
+            before(req)
+        return sample(logits, requests), [None] * len(requests)
+    except Exception:  # find the rows that fail; greedy and seeded rows give the same tokens alone
+        pass
+    tokens: list[int | None] = []
+    errors: list[Exception | None] = []
+    for i, req in enumerate(requests):
+        try:
+            if before is not None:
+                before(req)
+            tokens.append(sample(logits[i:i + 1], [req])[0])
+            errors.append(None)
+        except Exception as exc:
+            tokens.append(None)
+            errors.append(exc)
+    return tokens, errors
+
+
 def _top_k_top_p(x: torch.Tensor, params) -> torch.Tensor:
     """Set to -inf every logit outside each row's top-k and top-p nucleus. x: [B', V]."""
     vocab = x.shape[-1]
     sorted_x, order = x.sort(dim=-1, descending=True)  # [B', V]
     rank = torch.arange(vocab, device=x.device)[None, :]
-    k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=x.device)
+    k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=x.device)
     drop = rank >= k[:, None]
     top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype, device=x.device)
     probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)

@@ -11,6 +11,13 @@ token budget is left. Per step:
    KV cache stops admission;
 3. adapters of waiting requests are prefetched from disk in arrival order (see AdapterManager for
    the policy that keeps a cold adapter from starving).
+
+A server asks `has_room` before it queues a call: the waiting queue is bounded in requests, in tokens
+still to prefill (`EngineConfig.max_num_waiting_*`) and in the estimated wait for a place in the batch
+(`max_queue_wait_s`), so overload is refused at once instead of queued for longer than a client waits.
+The estimate is an upper bound for requests that may stop early (EOS): the running requests' remaining
+max_tokens, in order, times the recent time of a decode step (an exponential average over the steps
+that only decode, which the engine feeds; a prefill chunk's step says little about the next decodes).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.request import Request, RequestStatus
 
 PREFETCH_LOOKAHEAD = 32  # waiting requests whose adapters are prefetched
+STEP_TIME_DECAY = 0.9  # weight of the old value in the step time's exponential average
 
 
 @dataclass
@@ -56,9 +64,48 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.step_time_s = 0.0  # recent seconds per decode-only step (0 until one is timed)
 
     def add_request(self, req: Request) -> None:
         self.waiting.append(req)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens the waiting requests still have to prefill (preempted ones included)."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+
+    def has_room(self, num_seqs: int, num_tokens: int) -> bool:
+        """Whether `num_seqs` more requests with `num_tokens` tokens to prefill fit in the waiting queue's
+        bounds. The running batch's free places count as room (the next step admits into them), and an
+        empty queue takes anything, so a call larger than the bounds still runs when the engine is idle."""
+        if not self.waiting:
+            return True
+        free = max(0, self.cfg.max_num_seqs - len(self.running))
+        max_wait = self.cfg.max_queue_wait_s
+        return (len(self.waiting) + num_seqs <= self.cfg.max_num_waiting_seqs + free
+                and self.num_waiting_tokens + num_tokens <= self.cfg.max_num_waiting_tokens
+                and (max_wait is None or self.estimated_wait_s(num_seqs) <= max_wait))
+
+    def estimated_wait_s(self, num_seqs: int) -> float:
+        """Seconds until the last of `num_seqs` new requests, queued behind the waiting ones, gets a place
+        in the batch: place k frees when the running request with the k-th fewest tokens left ends
+        (after a whole round of the batch, the longest stands in for the requests then running)."""
+        need = len(self.waiting) + num_seqs - max(0, self.cfg.max_num_seqs - len(self.running))
+        if need <= 0 or not self.running:
+            return 0.0
+        left = sorted(r.sampling_params.max_tokens - r.num_output_tokens for r in self.running)
+        rounds, k = divmod(need - 1, len(left))
+        return (rounds * left[-1] + left[k]) * self.step_time_s
+
+    def observe_step_time(self, out: SchedulerOutput, seconds: float) -> None:
+        """Fold the wall time of step `out` into `step_time_s` if the step only decoded (the engine calls
+        it after each step that ran)."""
+        if any(n != 1 for n in out.num_scheduled_tokens.values()):
+            return
+        if self.step_time_s == 0.0:
+            self.step_time_s = seconds
+        else:
+            self.step_time_s = STEP_TIME_DECAY * self.step_time_s + (1 - STEP_TIME_DECAY) * seconds
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -104,6 +151,7 @@ class Scheduler:
             examined.add(req.adapter)
             if req.adapter is not None and req.adapter in self.adapters.failed:
                 self.waiting.popleft()
+                req.error = f"adapter {req.adapter!r} could not be loaded: {self.adapters.failed[req.adapter]}"
                 self.finish(req, RequestStatus.FINISHED_ABORTED)
                 out.aborted.append(req)
                 continue

@@ -191,3 +191,48 @@ def test_engine_config_checks_itself():
         EngineConfig(kv_cache_memory=-1)
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(16\) must be >= max_num_seqs \(32\)"):
         EngineConfig(max_num_batched_tokens=16, max_num_seqs=32)
+
+
+def test_waiting_queue_room_counts_free_places_and_tokens():
+    sched, _ = make(max_num_seqs=2, max_num_waiting_seqs=2, max_num_waiting_tokens=30)
+    assert sched.cfg.max_num_waiting_seqs == 2
+    assert sched.has_room(50, 10_000)  # an empty queue takes any call
+    for _ in range(3):
+        sched.add_request(req(4))
+    # 3 waiting, 0 running: 2 free places + 2 waiting places = 4
+    assert sched.has_room(1, 4) and not sched.has_room(2, 4)
+    assert sched.num_waiting_tokens == 12
+    assert sched.has_room(1, 18) and not sched.has_room(1, 19)  # 12 + 18 <= 30 < 12 + 19
+    run_step(sched)  # 2 admitted and running, 1 waiting: no free place left
+    assert len(sched.running) == 2 and sched.num_waiting_tokens == 4
+    assert sched.has_room(1, 4) and not sched.has_room(2, 4)
+
+
+def test_waiting_bounds_default_from_the_batch():
+    cfg = EngineConfig(max_num_seqs=16, max_num_batched_tokens=256)
+    assert (cfg.max_num_waiting_seqs, cfg.max_num_waiting_tokens) == (16, 32 * 256)
+    with pytest.raises(ValueError, match="max_num_waiting_seqs must be >= 1, got 0"):
+        EngineConfig(max_num_waiting_seqs=0)
+
+
+def test_estimated_wait_is_the_running_requests_tokens_left_times_the_step_time():
+    sched, _ = make(max_num_seqs=2, max_num_batched_tokens=64, max_num_waiting_seqs=10, max_queue_wait_s=2.0)
+    a, b = req(4, max_tokens=10), req(4, max_tokens=30)
+    sched.add_request(a)
+    sched.add_request(b)
+    prefill = run_step(sched)  # both running, one token each: 9 and 29 left
+    assert sched.estimated_wait_s(1) == 0.0  # no step timed yet
+    sched.observe_step_time(prefill, 5.0)  # a step that prefills does not count
+    assert sched.step_time_s == 0.0
+    decode = sched.schedule()
+    for r in decode.requests:  # run_step's update, without its new token: 9 and 29 left still
+        r.num_computed_tokens += 1
+    sched.observe_step_time(decode, 0.1)
+    sched.observe_step_time(decode, 0.2)
+    assert sched.step_time_s == pytest.approx(0.11)  # 0.9 * 0.1 + 0.1 * 0.2
+    assert sched.estimated_wait_s(1) == pytest.approx(9 * 0.11)  # a's place
+    assert sched.estimated_wait_s(2) == pytest.approx(29 * 0.11)  # then b's
+    assert sched.estimated_wait_s(3) == pytest.approx((29 + 9) * 0.11)  # a round later
+    sched.add_request(req(4))  # 1 waiting: the queue is not empty, so the wait counts
+    assert sched.has_room(0, 0)  # 9 x 0.11 s <= 2 s
+    assert not sched.has_room(1, 4)  # the new one waits for b's place: 29 x 0.11 > 2 s
