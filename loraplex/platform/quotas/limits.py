@@ -6,7 +6,9 @@ Semantics (the in-process backend in Python, the Redis backend in Lua, tested ag
   continuously): with limit L, each unit advances the tenant's theoretical arrival time (TAT) by
   T = 60 s / L, and a request of cost c is admitted when max(TAT, now) + c*T - now <= 60 s. No window
   edges, so no double burst at a minute boundary. Refunds move TAT back, never before now.
-- concurrent requests: a set of request ids, each with a lease (a crashed process's slots expire).
+- concurrent requests: a set of slots, each with a lease (a crashed process's slots expire). A call
+  holds one slot per sequence it runs (n x prompts), named by `slot_ids`, so a fan-out counts as the
+  requests it is; a call of more sequences than the limit is refused outright (too large).
 - a token budget per calendar period (UTC day, ISO week or month): a counter per period, seeded from
   the database's daily roll-ups when the counter store has none (a restarted Redis forgets nothing).
 
@@ -80,6 +82,11 @@ def keys(tenant_id: int, period: BudgetPeriod) -> list[str]:
     tag `{t<id>}` keeps them in one Redis Cluster slot, as a multi-key script needs."""
     tag = f"lpx:{{t{tenant_id}}}"
     return [f"{tag}:rq", f"{tag}:tk", f"{tag}:cc", f"{tag}:bg:{period.id}"]
+
+
+def slot_ids(request_id: str, num_slots: int) -> list[str]:
+    """Members of the concurrency set for a call of `num_slots` sequences: the id, then id#1, id#2..."""
+    return [request_id] + [f"{request_id}#{i}" for i in range(1, num_slots)]
 
 
 def gcra_remaining(tat_after: float, now: float, limit: int) -> int:

@@ -20,6 +20,7 @@ from loraplex.platform.quotas.limits import (
     Decision,
     Limits,
     gcra_remaining,
+    slot_ids,
 )
 
 
@@ -35,7 +36,7 @@ class MemoryBackend:
         return self._clock() * 1000.0
 
     async def admit(self, keys: list[str], limits: Limits, cost: int, request_id: str, *, lease_ms: float,
-                    budget_ttl_ms: float, budget_seed: int | None = None) -> Decision:
+                    budget_ttl_ms: float, budget_seed: int | None = None, num_slots: int = 1) -> Decision:
         rq, tk, cc, bg = keys
         with self._lock:
             now = self.now_ms()
@@ -56,8 +57,8 @@ class MemoryBackend:
             refusals = [
                 (used is not None and used + cost > limits.token_budget, BUDGET, 0.0),
                 (limits.tpm is not None and cost > limits.tpm, TOO_LARGE, 0.0),
-                (limits.max_concurrent_requests is not None and len(leases) >= limits.max_concurrent_requests,
-                 CONCURRENCY, 1000.0),
+                (limits.max_concurrent_requests is not None
+                 and len(leases) + num_slots > limits.max_concurrent_requests, CONCURRENCY, 1000.0),
                 (not rq_fits, REQUESTS, rq_retry),
                 (not tk_fits, TOKENS, tk_retry),
             ]
@@ -66,7 +67,8 @@ class MemoryBackend:
                     d.allowed, d.reason, d.retry_after_ms = False, reason, retry_ms
                     return d
             if limits.max_concurrent_requests is not None:
-                leases[request_id] = now + lease_ms
+                for slot in slot_ids(request_id, num_slots):
+                    leases[slot] = now + lease_ms
             if new_rq is not None:
                 self._tat[rq] = new_rq
             if new_tk is not None:
@@ -90,12 +92,14 @@ class MemoryBackend:
         setattr(d, f"reset_{what}_ms", after - now)
         return fits, new_tat, new_tat - WINDOW_MS - now
 
-    async def settle(self, keys: list[str], limits: Limits, request_id: str, refund: int) -> None:
-        """Release the request's concurrency slot and give back `refund` unused tokens."""
+    async def settle(self, keys: list[str], limits: Limits, request_id: str, refund: int,
+                     num_slots: int = 1) -> None:
+        """Release the request's concurrency slots and give back `refund` unused tokens."""
         _, tk, cc, bg = keys
         with self._lock:
             now = self.now_ms()
-            self._leases.get(cc, {}).pop(request_id, None)
+            for slot in slot_ids(request_id, num_slots):
+                self._leases.get(cc, {}).pop(slot, None)
             if refund <= 0:
                 return
             if limits.tpm and tk in self._tat:

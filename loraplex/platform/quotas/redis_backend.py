@@ -17,11 +17,12 @@ from loraplex.platform.quotas.limits import Decision, Limits
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 
 # KEYS: rq tk cc bg. ARGV: rpm tpm max_cc budget (-1: unlimited) cost request_id lease_ms budget_ttl_ms seed (-1: none)
+# num_slots (members request_id, request_id#1, ... as limits.slot_ids)
 ADMIT_LUA = """
 local rq, tk, cc, bg = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local rpm, tpm, max_cc, budget = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local cost, rid, lease_ms = tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
-local budget_ttl_ms, seed = tonumber(ARGV[8]), tonumber(ARGV[9])
+local budget_ttl_ms, seed, num_slots = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
 local WINDOW = 60000.0
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
@@ -55,12 +56,13 @@ local tk_fits, new_tk, tk_retry, tk_rem, tk_reset = gcra(tk, tpm, cost)
 local reason, retry = '', 0
 if used >= 0 and used + cost > budget then reason = 'budget'
 elseif tpm >= 0 and cost > tpm then reason = 'too_large'
-elseif max_cc >= 0 and num_cc >= max_cc then reason, retry = 'concurrency', 1000
+elseif max_cc >= 0 and num_cc + num_slots > max_cc then reason, retry = 'concurrency', 1000
 elseif not rq_fits then reason, retry = 'requests', rq_retry
 elseif not tk_fits then reason, retry = 'tokens', tk_retry end
 if reason == '' then
   if max_cc >= 0 then
     redis.call('ZADD', cc, now + lease_ms, rid)
+    for i = 1, num_slots - 1 do redis.call('ZADD', cc, now + lease_ms, rid .. '#' .. i) end
     redis.call('PEXPIRE', cc, math.ceil(lease_ms))
   end
   if rpm >= 0 then redis.call('SET', rq, string.format('%.3f', new_rq), 'PX', math.ceil(new_rq - now) + 1) end
@@ -76,13 +78,14 @@ return {allowed, reason, tostring(retry), tostring(rq_rem), tostring(rq_reset), 
         tostring(tk_reset), string.format('%d', used)}
 """
 
-# KEYS: tk cc bg. ARGV: tpm (-1: unlimited) request_id refund
+# KEYS: tk cc bg. ARGV: tpm (-1: unlimited) request_id refund num_slots
 SETTLE_LUA = """
 local tk, cc, bg = KEYS[1], KEYS[2], KEYS[3]
-local tpm, rid, refund = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
+local tpm, rid, refund, num_slots = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 redis.call('ZREM', cc, rid)
+for i = 1, num_slots - 1 do redis.call('ZREM', cc, rid .. '#' .. i) end
 if refund <= 0 then return 1 end
 if tpm > 0 then
   local v = redis.call('GET', tk)
@@ -119,9 +122,9 @@ class RedisBackend:
         self._peek = self.client.register_script(PEEK_LUA)
 
     async def admit(self, keys: list[str], limits: Limits, cost: int, request_id: str, *, lease_ms: float,
-                    budget_ttl_ms: float, budget_seed: int | None = None) -> Decision:
+                    budget_ttl_ms: float, budget_seed: int | None = None, num_slots: int = 1) -> Decision:
         args = [_arg(limits.rpm), _arg(limits.tpm), _arg(limits.max_concurrent_requests),
-                _arg(limits.token_budget), cost, request_id, lease_ms, budget_ttl_ms, _arg(budget_seed)]
+                _arg(limits.token_budget), cost, request_id, lease_ms, budget_ttl_ms, _arg(budget_seed), num_slots]
         allowed, reason, retry, rq_rem, rq_reset, tk_rem, tk_reset, used = await self._admit(keys=keys, args=args)
         return Decision(
             allowed=allowed == "1", reason=reason or None, retry_after_ms=float(retry),
@@ -130,9 +133,10 @@ class RedisBackend:
             budget_used=None if limits.token_budget is None else int(used),
         )
 
-    async def settle(self, keys: list[str], limits: Limits, request_id: str, refund: int) -> None:
+    async def settle(self, keys: list[str], limits: Limits, request_id: str, refund: int,
+                     num_slots: int = 1) -> None:
         _, tk, cc, bg = keys
-        await self._settle(keys=[tk, cc, bg], args=[_arg(limits.tpm), request_id, max(0, refund)])
+        await self._settle(keys=[tk, cc, bg], args=[_arg(limits.tpm), request_id, max(0, refund), num_slots])
 
     async def peek(self, keys: list[str]) -> tuple[float, float | None, float | None, int]:
         """(now ms, request TAT, token TAT, requests in flight) on Redis's clock, changing nothing."""

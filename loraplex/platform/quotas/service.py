@@ -45,6 +45,7 @@ class Ticket:
     keys: list[str]
     backend: object
     headers: dict[str, str] = field(default_factory=dict)
+    num_slots: int = 1  # concurrency slots held: the call's sequences
 
 
 @dataclass(frozen=True)
@@ -80,19 +81,27 @@ class QuotaService:
         self.budget_seed = budget_seed or (lambda tenant_id, start: 0)
         self.degraded = False  # True while Redis is unreachable
 
-    async def admit(self, tenant_id: int, limits: Limits, cost: int, request_id: str) -> Ticket:
-        """Reserve `cost` tokens for `request_id`, or raise the APIError to send."""
+    async def admit(self, tenant_id: int, limits: Limits, cost: int, request_id: str,
+                    num_sequences: int = 1) -> Ticket:
+        """Reserve `cost` tokens and `num_sequences` concurrency slots for `request_id`, or raise the
+        APIError to send."""
+        cc_limit = limits.max_concurrent_requests
+        if cc_limit is not None and num_sequences > cc_limit:
+            raise APIError(429, f"Request too large for concurrent requests: Limit {cc_limit}, Requested "
+                           f"{num_sequences} sequences (n x prompts). Reduce n or the prompt list.",
+                           type="requests", code="rate_limit_exceeded", param="n")
         now = utcnow()
         period = budget_period(limits.budget_period, now)
         ks = keys(tenant_id, period)
         ttl_ms = ((period.end - now).total_seconds() + 86400) * 1000.0
         backend = self.backend
         try:
-            d = await backend.admit(ks, limits, cost, request_id, lease_ms=self.lease_ms, budget_ttl_ms=ttl_ms)
+            d = await backend.admit(ks, limits, cost, request_id, lease_ms=self.lease_ms, budget_ttl_ms=ttl_ms,
+                                    num_slots=num_sequences)
             if d.reason == NEED_SEED:
                 seed = await asyncio.to_thread(self.budget_seed, tenant_id, period.start)
                 d = await backend.admit(ks, limits, cost, request_id, lease_ms=self.lease_ms,
-                                        budget_ttl_ms=ttl_ms, budget_seed=seed)
+                                        budget_ttl_ms=ttl_ms, budget_seed=seed, num_slots=num_sequences)
             self._set_degraded(False)
         except Exception as exc:
             if backend is self.local or not _unreachable(exc):
@@ -106,16 +115,17 @@ class QuotaService:
                                   "which cannot be checked locally; try again shortly.",
                                   code="quota_store_unavailable") from None
             backend = self.local
-            d = await backend.admit(ks, limits, cost, request_id, lease_ms=self.lease_ms, budget_ttl_ms=ttl_ms)
+            d = await backend.admit(ks, limits, cost, request_id, lease_ms=self.lease_ms, budget_ttl_ms=ttl_ms,
+                                    num_slots=num_sequences)
         if not d.allowed:
             raise self._refusal(limits, cost, d, period)
-        return Ticket(tenant_id, limits, request_id, cost, ks, backend, rate_limit_headers(limits, d))
+        return Ticket(tenant_id, limits, request_id, cost, ks, backend, rate_limit_headers(limits, d), num_sequences)
 
     async def settle(self, ticket: Ticket, num_tokens_used: int) -> None:
         """Free the concurrency slot and refund the unused reservation. Never raises."""
         refund = max(0, ticket.cost - num_tokens_used)
         try:
-            await ticket.backend.settle(ticket.keys, ticket.limits, ticket.request_id, refund)
+            await ticket.backend.settle(ticket.keys, ticket.limits, ticket.request_id, refund, ticket.num_slots)
         except Exception as exc:  # a lost refund only under-admits until the lease / bucket catches up
             logger.warning("could not settle quota of request %s: %s", ticket.request_id, exc)
 
