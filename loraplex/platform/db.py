@@ -3,6 +3,7 @@ way the schema is created or changed: `upgrade()` runs on every start and is a n
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event
@@ -12,14 +13,30 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 MIGRATIONS_DIR = REPO_ROOT / "migrations"
 
 
-def make_engine(url: str) -> Engine:
-    """An engine for `url`; SQLite gets WAL (readers do not block the writer, several gateway processes
-    can share the file), a busy timeout and enforced foreign keys."""
+POOL_TIMEOUT_S = 10.0  # past this a request gets 503 database_unavailable (errors.py), never a 500
+
+
+def default_pool_size() -> int:
+    """Connections that can be in use at once: one per thread that opens a session, i.e. FastAPI's worker
+    threads for sync dependencies and routes (anyio's default limiter, 40), asyncio's default executor
+    (`asyncio.to_thread`: min(32, cpus + 4)) and the usage writer. Every use is brief (deps.py), so this
+    bounds the pool by the gateway's threads, not by the number of requests in flight."""
+    return 40 + min(32, (os.cpu_count() or 1) + 4) + 1
+
+
+def make_engine(url: str, pool_size: int | None = None) -> Engine:
+    """An engine for `url` with a pool of `pool_size` connections (default `default_pool_size`); SQLite gets
+    WAL (readers do not block the writer, several gateway processes can share the file), a busy timeout
+    and enforced foreign keys."""
+    size = pool_size or default_pool_size()
+    pool = dict(pool_size=min(10, size), max_overflow=max(0, size - 10), pool_timeout=POOL_TIMEOUT_S)
     if not url.startswith("sqlite"):
-        return create_engine(url, pool_pre_ping=True)
-    if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+        return create_engine(url, pool_pre_ping=True, **pool)
+    if url == "sqlite:///:memory:":
+        pool = {}
+    elif url.startswith("sqlite:///"):
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **pool)
 
     @event.listens_for(engine, "connect")
     def _sqlite_pragmas(dbapi_conn, _record) -> None:

@@ -1,6 +1,9 @@
 """Dependencies, chained as Annotated aliases: API key -> tenant -> quota (and API key -> admin).
 
-Routes get plain values (`Caller`, `QuotaGate`), never ORM objects whose session has closed.
+Authentication reads the key, its tenant and quota in one short database session and returns plain
+values (`Identity`, `Caller`, `QuotaGate`): no connection is held while a request generates, however
+long, so the pool never limits how many requests are in flight. A changed quota or a revoked key holds
+from the next request on.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from sqlalchemy.orm import Session
 from loraplex.platform import crud
 from loraplex.platform.errors import invalid_api_key, permission_denied
 from loraplex.platform.gateway import Gateway
-from loraplex.platform.models import ApiKey, Tenant, utcnow
+from loraplex.platform.models import Tenant, utcnow
 from loraplex.platform.quotas.limits import Limits
 from loraplex.platform.quotas.service import Ticket
 
@@ -44,20 +47,41 @@ SessionDep = Annotated[Session, Depends(get_db, scope="function")]
 TokenDep = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 
 
-def get_api_key(session: SessionDep, credentials: TokenDep) -> ApiKey:
+@dataclass(frozen=True)
+class Identity:
+    """An active API key and, for a tenant's key, its tenant and quota as they were read."""
+
+    key_id: int
+    role: str  # "tenant" or "admin"
+    tenant_id: int | None = None
+    tenant_name: str = ""
+    limits: Limits | None = None
+    max_adapters: int | None = None
+    max_adapter_bytes: int | None = None
+
+
+def get_identity(gw: GatewayDep, credentials: TokenDep) -> Identity:
     if credentials is None:
         raise invalid_api_key("You didn't provide an API key: send `Authorization: Bearer <key>`.")
-    row = crud.find_key(session, credentials.credentials)
-    if row is None:
-        raise invalid_api_key()
-    now = utcnow()
-    if row.last_used_at is None or now - row.last_used_at > LAST_USED_RESOLUTION:
-        row.last_used_at = now
-        session.commit()
-    return row
+    with gw.sessions() as session:
+        row = crud.find_key(session, credentials.credentials)
+        if row is None:
+            raise invalid_api_key()
+        now = utcnow()
+        if row.last_used_at is None or now - row.last_used_at > LAST_USED_RESOLUTION:
+            row.last_used_at = now
+            session.commit()
+        if row.role != "tenant" or row.tenant_id is None:
+            return Identity(row.id, row.role)
+        tenant = session.get(Tenant, row.tenant_id)
+        if tenant is None:  # deleted between the two reads
+            raise invalid_api_key()
+        q = tenant.quota
+        return Identity(row.id, row.role, tenant.id, tenant.name, crud.limits_of(q), q.max_adapters,
+                        q.max_adapter_bytes)
 
 
-ApiKeyDep = Annotated[ApiKey, Depends(get_api_key)]
+ApiKeyDep = Annotated[Identity, Depends(get_identity)]
 
 
 @dataclass(frozen=True)
@@ -67,17 +91,10 @@ class Caller:
     tenant_name: str
 
 
-def get_tenant(key: ApiKeyDep, session: SessionDep) -> Tenant:
+def get_caller(key: ApiKeyDep) -> Caller:
     if key.role != "tenant" or key.tenant_id is None:
         raise permission_denied("This is an admin key; the /v1 API takes a tenant's key.")
-    return session.get(Tenant, key.tenant_id)
-
-
-TenantDep = Annotated[Tenant, Depends(get_tenant)]
-
-
-def get_caller(key: ApiKeyDep, tenant: TenantDep) -> Caller:
-    return Caller(key.id, tenant.id, tenant.name)
+    return Caller(key.key_id, key.tenant_id, key.tenant_name)
 
 
 CurrentCaller = Annotated[Caller, Depends(get_caller)]
@@ -93,22 +110,22 @@ class QuotaGate:
     max_adapters: int | None
     max_adapter_bytes: int | None
 
-    async def admit(self, cost: int, request_id: str) -> Ticket:
-        return await self.gateway.quotas.admit(self.caller.tenant_id, self.limits, cost, request_id)
+    async def admit(self, cost: int, request_id: str, num_sequences: int = 1) -> Ticket:
+        return await self.gateway.quotas.admit(self.caller.tenant_id, self.limits, cost, request_id,
+                                               num_sequences)
 
 
-def get_quota(gw: GatewayDep, caller: CurrentCaller, tenant: TenantDep) -> QuotaGate:
-    q = tenant.quota  # read on every request: a changed quota holds at once
-    return QuotaGate(gw, caller, crud.limits_of(q), q.max_adapters, q.max_adapter_bytes)
+def get_quota(gw: GatewayDep, caller: CurrentCaller, key: ApiKeyDep) -> QuotaGate:
+    return QuotaGate(gw, caller, key.limits, key.max_adapters, key.max_adapter_bytes)
 
 
 TenantQuota = Annotated[QuotaGate, Depends(get_quota)]
 
 
-def get_admin(key: ApiKeyDep) -> ApiKey:
+def get_admin(key: ApiKeyDep) -> Identity:
     if key.role != "admin":
         raise permission_denied("The admin API takes an admin key.")
     return key
 
 
-AdminKey = Annotated[ApiKey, Depends(get_admin)]
+AdminKey = Annotated[Identity, Depends(get_admin)]
