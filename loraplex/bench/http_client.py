@@ -1,10 +1,10 @@
 """The HTTP system of the serving benchmark: a real `loraplex serve` process, driven by the official
 `openai` client with streaming (what a tenant sees: HTTP, auth, quotas, SSE on top of the engine).
 
-`run_http` starts the server on a fresh LORAPLEX_HOME whose `models/` links to the normal model cache
-(nothing is downloaded or converted again), makes one unlimited tenant per workload tenant with a key,
-uploads every adapter to the tenants whose requests use it, warms each model up once, then replays the
-workload: each request is an asyncio task that sleeps until its arrival and streams `/v1/completions`
+`run_http` starts the server (`serve_subprocess`: a fresh LORAPLEX_HOME whose `models/` links to the
+normal model cache, so nothing is downloaded or converted again), makes one unlimited tenant per
+workload tenant with a key, uploads every adapter to the tenants whose requests use it, warms each
+model up once, then replays the workload: each request is an asyncio task that sleeps until its arrival and streams `/v1/completions`
 with the prompt's token ids, greedy, `ignore_eos` (each row makes exactly `output_len` tokens).
 
 Times are `time.perf_counter()` seconds from the start of the replay. first_token_s is the first chunk
@@ -24,6 +24,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -50,15 +53,40 @@ def run_http(
 ) -> tuple[list[RequestRecord], RunStats]:
     """Replay `workload` through a `loraplex serve` subprocess; records in workload order.
 
-    adapter_dirs: adapter name -> PEFT directory, for every adapter the workload uses. engine_env:
-    LORAPLEX_* engine settings (LORAPLEX_MAX_LORAS, LORAPLEX_DTYPE, ...); the caller's own LORAPLEX_*
-    variables are not passed on (no shared database or Redis). port: default a free one. log_path: the
-    server's stdout and stderr (default a temporary file, deleted). A failed request becomes a record
-    with `error`; a server that does not start, or a failed tenant, upload or warm-up, raises.
+    adapter_dirs: adapter name -> PEFT directory, for every adapter the workload uses. engine_env,
+    port, log_path: as `serve_subprocess`. A failed request becomes a record with `error`; a server
+    that does not start, or a failed tenant, upload or warm-up, raises.
     """
     missing = sorted(set(workload.adapters) - set(adapter_dirs))
     if missing:
         raise ValueError(f"no directory in adapter_dirs for the workload's adapters {missing}")
+    with serve_subprocess(engine_env, port=port, log_path=log_path) as server:
+        with httpx.Client(base_url=server.url, headers=_auth(server.admin_key), **LOCAL) as admin:
+            keys = _set_up_tenants(admin, workload, adapter_dirs)
+            base_model = admin.get("/admin/engine").raise_for_status().json()["model"]
+        return asyncio.run(_bench(server.url, server.admin_key, keys, base_model, workload))
+
+
+@dataclass
+class Server:
+    url: str
+    admin_key: str
+    home: Path
+    proc: subprocess.Popen
+
+
+@contextmanager
+def serve_subprocess(engine_env: dict[str, str] | None = None, *, port: int | None = None,
+                     log_path: Path | None = None) -> Iterator[Server]:
+    """A `loraplex serve` subprocess on 127.0.0.1 with a fresh LORAPLEX_HOME whose `models/` links to the
+    normal model cache (nothing is downloaded or converted again) and a new admin key; stopped (SIGTERM,
+    then SIGKILL after 30 s) and its home deleted on exit.
+
+    engine_env: LORAPLEX_* settings (LORAPLEX_MAX_LORAS, LORAPLEX_DTYPE, ...) and others such as
+    OMP_NUM_THREADS; the caller's own LORAPLEX_* variables are not passed on (no shared database or
+    Redis). port: default a free one. log_path: the server's stdout and stderr (default a file in the
+    home, deleted). Raises RuntimeError with the log's tail if the server does not start.
+    """
     from loraplex.engine.loader import loraplex_home
     from loraplex.platform.security import new_key
 
@@ -84,10 +112,7 @@ def run_http(
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
             try:
                 _wait_ready(proc, url, log_path)
-                with httpx.Client(base_url=url, headers=_auth(admin_key), **LOCAL) as admin:
-                    keys = _set_up_tenants(admin, workload, adapter_dirs)
-                    base_model = admin.get("/admin/engine").raise_for_status().json()["model"]
-                return asyncio.run(_bench(url, admin_key, keys, base_model, workload))
+                yield Server(url, admin_key, home, proc)
             finally:
                 proc.terminate()
                 try:

@@ -50,6 +50,18 @@ def machine() -> str:
             f"({torch.get_num_threads()} threads); Python {platform.python_version()}")
 
 
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # the ones that decide our CPU kernels and dtype
+
+
+def cpu_flags() -> str:
+    """Which of CPU_FLAGS this CPU has, e.g. "avx2 avx512f avx512_bf16" (every benchmark table says it)."""
+    try:
+        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return "unknown"
+    return " ".join(f for f in CPU_FLAGS if f in flags) or "none of " + " ".join(CPU_FLAGS)
+
+
 def commit() -> str:
     try:
         out = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
