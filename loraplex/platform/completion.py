@@ -1,9 +1,14 @@
 """What chat and text completions share: model lookup, limits, admission, the engine run, responses.
 
-Order for every request: resolve `model` (404 for anything not the base model or the caller's own
-adapter), check lengths, reserve quota (429 before the engine sees anything), register the adapter
-if needed, run. A detached task waits for the engine requests to end, then refunds unused tokens,
-records usage and metrics: it runs whether the client stayed, left, or the engine failed.
+Order for every request, each step refusing before the next costs anything: refuse while the gateway
+shuts down or the engine's queue is full (503, before the body is read: `middleware.ShedMiddleware`);
+resolve `model` (404 for anything not the base model or the caller's own adapter);
+bound the fan-out (`n`, prompts, sequences: 400 before tokenizing); tokenize off the event loop; check
+lengths and sampling values against the model (400 naming the field); reserve quota (429); register the
+adapter if needed; queue the call's engine requests all or none (503 `server_overloaded` when the
+engine's waiting queue has no room, by count, tokens or estimated wait; the reservation is refunded). A detached task waits for the engine requests to end, then refunds
+unused tokens, records usage and metrics: it runs whether the client stayed, left, or the engine failed.
+A request the engine ended for a fault of its own answers 503 `engine_error` with retry-after.
 """
 
 from __future__ import annotations
@@ -18,11 +23,18 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from loraplex.adapters.peft import AdapterError
-from loraplex.engine.request import SamplingParams
+from loraplex.engine.errors import EngineOverloadedError
+from loraplex.engine.sampling_params import ParamError, SamplingParams, check_stop_token_ids, check_top_k
 from loraplex.platform import crud, tenant_adapters
-from loraplex.platform.api.deps import QuotaGate
+from loraplex.platform.api.deps import Caller, QuotaGate
 from loraplex.platform.engine import Generation, engine_adapter_name
-from loraplex.platform.errors import APIError, invalid_request, model_not_found
+from loraplex.platform.errors import (
+    APIError,
+    engine_overloaded,
+    invalid_request,
+    model_not_found,
+    unavailable,
+)
 from loraplex.platform.gateway import Gateway
 from loraplex.platform.openai_schemas import ChatCompletionRequest, CompletionRequest
 from loraplex.platform.quotas.service import Ticket
@@ -50,8 +62,23 @@ class Plan:
         return sum(len(p) for p in self.prompts)
 
     @property
+    def num_sequences(self) -> int:
+        return len(self.prompts) * self.body.n
+
+    @property
     def endpoint(self) -> str:
         return "chat.completions" if self.kind == "chat" else "completions"
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if self.kind == "chat" else "prompt"
+
+
+def overloaded_answer(gw: Gateway, caller: Caller, plan: Plan, retry_after_s: float = 1.0) -> APIError:
+    """The 503 for a call the engine shed because its queue has no room, counted in /metrics."""
+    gw.metrics.observe_shed("engine_queue_full")
+    gw.metrics.observe_request(caller.tenant_name, plan.endpoint, "503")
+    return engine_overloaded(retry_after_s)
 
 
 async def resolve_model(gw: Gateway, tenant_id: int, plan: Plan) -> None:
@@ -73,47 +100,73 @@ async def resolve_model(gw: Gateway, tenant_id: int, plan: Plan) -> None:
     if row is None:
         raise model_not_found(model)
     if path is None:
-        raise APIError(500, f"The adapter `{row.name}` could not be loaded: its files are missing.",
-                       type="server_error", code="adapter_load_failed")
+        raise unavailable(f"The adapter `{row.name}` could not be loaded: its files are missing.",
+                          code="adapter_load_failed")
     plan.adapter = row.name
     plan.engine_adapter = engine_adapter_name(tenant_id, row.name, row.digest)
     plan.adapter_path = str(path)
 
 
-def check_lengths(gw: Gateway, plan: Plan, default_max_tokens: int) -> None:
-    body, eng = plan.body, gw.engine
-    prompt_param = "messages" if plan.kind == "chat" else "prompt"
+def check_fan_out(gw: Gateway, plan: Plan, num_prompts: int) -> None:
+    """`n`, the prompt list and n x prompts against the settings, before anything is tokenized."""
+    settings, n = gw.settings, plan.body.n
+    if not 1 <= n <= settings.max_n:
+        raise invalid_request(f"n must be an integer in [1, {settings.max_n}], got {n}.", param="n")
+    limit = settings.max_sequences_per_request
+    if num_prompts > limit:
+        raise invalid_request(f"The prompt list has {num_prompts} prompts; at most {limit} are allowed per "
+                              "request.", param=plan.prompt_param)
+    if n * num_prompts > limit:
+        raise invalid_request(f"n x prompts is {n} x {num_prompts} = {n * num_prompts} sequences; at most {limit} "
+                              "are allowed per request.", param="n")
+
+
+def check_lengths(gw: Gateway, plan: Plan) -> None:
+    """Prompt tokens per call, the context and max_tokens; sets `plan.max_tokens`."""
+    body, eng, settings = plan.body, gw.engine, gw.settings
+    total = plan.num_prompt_tokens
+    if total > settings.max_prompt_tokens_per_request:
+        raise invalid_request(f"The prompts have {total} tokens; at most {settings.max_prompt_tokens_per_request} "
+                              "are allowed per request.", param=plan.prompt_param)
     context = min(eng.max_model_len, eng.kv_capacity_tokens)
     longest = max(len(p) for p in plan.prompts)
     if longest >= context:
         raise invalid_request(f"The prompt has {longest} tokens; this model's context is {context} tokens.",
-                              param=prompt_param, code="context_length_exceeded")
-    if any(t < 0 or t >= eng.model_config.vocab_size for p in plan.prompts for t in p):
-        raise invalid_request(f"Token ids must be in [0, {eng.model_config.vocab_size}).", param="prompt")
+                              param=plan.prompt_param, code="context_length_exceeded")
+    vocab = eng.model_config.vocab_size
+    if any(t < 0 or t >= vocab for p in plan.prompts for t in p):
+        raise invalid_request(f"Token ids must be in [0, {vocab}).", param="prompt")
+    param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
     requested = getattr(body, "max_completion_tokens", None) or body.max_tokens
     room = context - longest
+    cap = settings.max_tokens_limit
+    if requested is not None and cap is not None and requested > cap:
+        raise invalid_request(f"{param} is {requested}; at most {cap} tokens are allowed per choice.", param=param)
     if requested is not None and requested > room:
-        param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
         raise invalid_request(f"{param} is {requested}, but the prompt ({longest} tokens) leaves room for "
                               f"{room} tokens in this model's context of {context} tokens.", param=param,
                               code="context_length_exceeded")
-    plan.max_tokens = requested if requested is not None else min(default_max_tokens, room)
+    if requested is None:
+        requested = min(settings.default_max_tokens, room, cap or room)
+    plan.max_tokens = requested
 
 
-def sampling_params(plan: Plan) -> list[SamplingParams]:
+def sampling_params(gw: Gateway, plan: Plan) -> list[SamplingParams]:
+    """One SamplingParams per sequence (choice j of a prompt gets seed + j, wrapped to 64 bits), checked
+    against the model."""
     body = plan.body
-    params = []
-    for _ in plan.prompts:
-        for j in range(body.n):
-            try:
-                params.append(SamplingParams(
-                    max_tokens=plan.max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-                    top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or -1,
-                    seed=None if body.seed is None else body.seed + j, stop=body.stop,
-                    ignore_eos=body.ignore_eos))
-            except ValueError as e:
-                raise invalid_request(str(e)) from None
-    return params
+    vocab = gw.engine.model_config.vocab_size
+    try:
+        top_k = -1 if body.top_k is None else check_top_k(body.top_k, vocab)
+        stop_token_ids = check_stop_token_ids(body.stop_token_ids, vocab)
+        return [SamplingParams(max_tokens=plan.max_tokens, temperature=1.0 if body.temperature is None else
+                               body.temperature, top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k,
+                               seed=None if body.seed is None else (body.seed + j + 2**63) % 2**64 - 2**63,
+                               stop=body.stop,
+                               stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos)
+                for _ in plan.prompts for j in range(body.n)]
+    except ParamError as e:
+        raise invalid_request(str(e), param=e.param) from None
 
 
 async def run(request: Request, gw: Gateway, gate: QuotaGate, plan: Plan) -> Response:
@@ -122,22 +175,24 @@ async def run(request: Request, gw: Gateway, gate: QuotaGate, plan: Plan) -> Res
     if plan.engine_adapter is not None:
         gw.engine.hold(plan.engine_adapter)
     try:
-        check_lengths(gw, plan, gw.settings.default_max_tokens)
-        return await _run(request, gw, gate, plan)
+        check_lengths(gw, plan)
+        params = sampling_params(gw, plan)
+        return await _run(request, gw, gate, plan, params)
     except BaseException:
         if plan.engine_adapter is not None and not plan.is_running:
             gw.engine.release(plan.engine_adapter)
         raise
 
 
-async def _run(request: Request, gw: Gateway, gate: QuotaGate, plan: Plan) -> Response:
+async def _run(request: Request, gw: Gateway, gate: QuotaGate, plan: Plan, params: list[SamplingParams]) -> Response:
     body, caller = plan.body, gate.caller
     plan.request_id = f"{'chatcmpl' if plan.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     plan.created = int(time.time())
-    num_choices = len(plan.prompts) * body.n
-    cost = plan.num_prompt_tokens + num_choices * plan.max_tokens
+    # Admission counts the call as the sequences it runs: each reserves its prompt and max_tokens and holds
+    # a concurrency slot. The refund at the end brings the charge down to the usage reported.
+    cost = body.n * plan.num_prompt_tokens + plan.num_sequences * plan.max_tokens
     try:
-        ticket = await gate.admit(cost, plan.request_id)
+        ticket = await gate.admit(cost, plan.request_id, plan.num_sequences)
     except APIError as e:
         gw.metrics.observe_request(caller.tenant_name, plan.endpoint, str(e.status_code))
         raise
@@ -145,13 +200,17 @@ async def _run(request: Request, gw: Gateway, gate: QuotaGate, plan: Plan) -> Re
         if plan.engine_adapter is not None:
             await gw.engine.ensure_adapter(plan.engine_adapter, plan.adapter_path)
         prompts = [p for p in plan.prompts for _ in range(body.n)]
-        gen = Generation(gw.engine, prompts, sampling_params(plan), plan.engine_adapter, plan.request_id,
-                         caller.tenant_id)
+        gen = await Generation.start(gw.engine, prompts, params, plan.engine_adapter, plan.request_id,
+                                     caller.tenant_id)
     except BaseException as exc:
         gw.spawn(gw.quotas.settle(ticket, 0))
+        if isinstance(exc, EngineOverloadedError):
+            raise overloaded_answer(gw, caller, plan, exc.retry_after_s) from None
         if isinstance(exc, AdapterError):
-            raise APIError(500, f"The adapter `{plan.adapter}` could not be loaded: {exc}",
-                           type="server_error", code="adapter_load_failed") from None
+            raise unavailable(f"The adapter `{plan.adapter}` could not be loaded: {exc}",
+                              code="adapter_load_failed") from None
+        if isinstance(exc, ValueError):
+            raise invalid_request(f"The engine refused the request: {exc}") from None
         raise
     plan.is_running = True  # from here on, finalize releases the adapter
     plan.finalized = gw.spawn(finalize(gw, gate, plan, gen, ticket))
@@ -211,13 +270,15 @@ async def wait_or_disconnect(request: Request, gen: Generation) -> bool:
     return True
 
 
+def engine_error(message: str = "The engine failed while generating this request; try again.") -> APIError:
+    """A request the engine ended for a fault of its own (not the input): 503, worth a retry."""
+    return unavailable(message, code="engine_error")
+
+
 def _raise_for_errors(gen: Generation) -> None:
     for c in gen.choices:
-        if isinstance(c.error, ValueError):
-            raise invalid_request(f"The engine refused the request: {c.error}")
         if c.error is not None or c.finish_reason == "abort":
-            raise APIError(500, "The engine failed while generating; try again.", type="server_error",
-                           code="engine_error")
+            raise engine_error()
 
 
 def usage_body(plan: Plan, gen: Generation) -> dict:
@@ -266,10 +327,8 @@ async def stream(plan: Plan, gen: Generation):
             for i in range(len(gen.choices)):
                 yield chunk(i, None, None, role=True)
         async for i, out in gen.events():
-            if isinstance(out, Exception) or out.finish_reason == "abort":
-                err = APIError(500, "The engine failed while generating.", type="server_error",
-                               code="engine_error")
-                yield _sse(err.body())
+            if out.finish_reason == "abort":
+                yield _sse(engine_error().body())
                 continue
             if out.delta_text:
                 yield chunk(i, out.delta_text, None)

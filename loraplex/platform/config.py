@@ -49,6 +49,18 @@ class Settings(BaseSettings):
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     kv_cache_memory: int | None = None
+    # the engine's waiting queue: past these a call is shed with 503 (None: one more batch of requests,
+    # 32 steps of prefill; see EngineConfig), and past an estimated wait for a place in the batch
+    max_num_waiting_seqs: int | None = Field(None, ge=1)
+    max_num_waiting_tokens: int | None = Field(None, ge=1)
+    max_queue_wait_s: float | None = Field(10.0, gt=0)
+
+    # what one API call may ask, checked before anything is queued (400 naming the field)
+    max_n: int = Field(16, ge=1)
+    max_sequences_per_request: int = Field(64, ge=1)  # n x prompts
+    max_prompt_tokens_per_request: int = Field(65_536, ge=1)  # over the call's distinct prompts
+    max_tokens_limit: int | None = Field(None, ge=1)  # the largest max_tokens (None: the context)
+    max_request_bytes: int = Field(16 << 20, gt=0)  # JSON bodies of /v1/chat/completions and /v1/completions
 
     # storage
     database_url: str | None = None  # default: sqlite:///$LORAPLEX_HOME/loraplex.db
@@ -56,6 +68,9 @@ class Settings(BaseSettings):
     redis_timeout_s: float = 0.5
     quota_fail_mode: Literal["open", "closed"] = "open"  # Redis unreachable: local limits, or 503
     concurrency_lease_s: float = 600.0  # a crashed process's concurrency slots expire after this
+    db_pool_size: int | None = Field(None, ge=1)  # None: sized for the gateway's worker threads (db.py)
+
+    shutdown_grace_s: float = Field(30.0, ge=0)  # SIGTERM: running requests get this long to finish
 
     admin_key: SecretStr | None = None
     max_upload_bytes: int = Field(512 << 20, gt=0)
@@ -92,7 +107,9 @@ class Settings(BaseSettings):
 
     def engine_kwargs(self) -> dict:
         kwargs = dict(dtype=self.dtype, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
-                      max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
+                      max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                      max_num_waiting_seqs=self.max_num_waiting_seqs,
+                      max_num_waiting_tokens=self.max_num_waiting_tokens, max_queue_wait_s=self.max_queue_wait_s)
         if self.kv_cache_memory is not None:
             kwargs["kv_cache_memory"] = self.kv_cache_memory
         return kwargs

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from loraplex.adapters.manager import AdapterInUseError
 from loraplex.engine.async_llm import AsyncLLM
-from loraplex.engine.request import RequestOutput, SamplingParams
+from loraplex.engine.request import RequestOutput
+from loraplex.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,25 @@ class EngineService:
         while self.num_running_by_adapter.get(name) or not await self.llm.call(unload):
             await asyncio.sleep(poll_s)
 
+    async def abort_all(self) -> None:
+        """Abort every request of the engine (shutdown after its grace period)."""
+        core = self.llm.engine
+        await self.llm.abort(*await self.llm.call(lambda: list(core.requests)))
+
+    def is_queue_full(self) -> bool:
+        """True when the engine's waiting queue cannot take even one more request, by its count or its
+        estimated wait (`Scheduler.has_room`): a cheap test from the event loop, racy by a step at most
+        (lengths and a scan of the running list, which the engine thread may change meanwhile), that lets
+        the gateway shed before it reads a body. The exact test is the engine's own, at submit."""
+        sched, cfg = self.llm.engine.scheduler, self.llm.engine.config
+        num_waiting = len(sched.waiting)
+        if num_waiting == 0:
+            return False
+        free = max(0, cfg.max_num_seqs - len(sched.running))
+        if num_waiting + 1 > cfg.max_num_waiting_seqs + free:
+            return True
+        return cfg.max_queue_wait_s is not None and sched.estimated_wait_s(1) > cfg.max_queue_wait_s
+
     # stats --------------------------------------------------------------------------------------
     async def stats(self) -> dict:
         """Running and waiting requests, KV cache and adapter residency, read on the engine thread."""
@@ -111,61 +131,59 @@ def engine_stats(core) -> dict:
 
 @dataclass
 class Choice:
-    """One engine request's result so far."""
+    """One engine request's result so far. `error`: why the engine ended it (finish reason "abort")."""
 
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     ttft_s: float | None = None
     latency_s: float | None = None
-    error: Exception | None = None
+    error: str | None = None
 
 
 class Generation:
-    """Engine requests for one API call (one per choice), each consumed by its own task.
+    """Engine requests for one API call (one per choice), queued all at once by `start`.
 
-    The tasks live outside the HTTP handler's cancel scope, so `cancel()` (plain, synchronous, safe
-    in a `finally` of a cancelled stream) still lets each engine request be aborted and its KV blocks
-    freed. `events()` yields (choice index, delta) as they come; `wait()` waits for every task to end.
+    One task reads their deltas; it lives outside the HTTP handler's cancel scope, so `cancel()` (plain,
+    synchronous, safe in a `finally` of a cancelled stream) aborts the requests still running and their
+    KV blocks are freed. `events()` yields (choice index, delta) as they come; `wait()` waits until every
+    request has ended.
     """
 
-    def __init__(self, service: EngineService, prompts: list[list[int]], params: list[SamplingParams],
-                 adapter: str | None, request_id: str, tenant_id: int):
+    def __init__(self, service: EngineService, request_ids: list[str], deltas: asyncio.Queue):
         self.service = service
-        self.adapter = adapter
-        self.choices = [Choice() for _ in params]
+        self.request_ids = request_ids
+        self.choices = [Choice() for _ in request_ids]
         self.is_cancelled = False  # by the gateway: the client went away
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._tasks = [
-            asyncio.create_task(self._consume(i, ids, p, f"{request_id}-{i}", str(tenant_id)))
-            for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
-        ]
-        self._done = asyncio.create_task(self._supervise())
+        self._index = {rid: i for i, rid in enumerate(request_ids)}
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._reader = asyncio.create_task(self._read(deltas))
+
+    @classmethod
+    async def start(cls, service: EngineService, prompts: list[list[int]], params: list[SamplingParams],
+                    adapter: str | None, request_id: str, tenant_id: int) -> Generation:
+        """Queue the call's requests, all or none. Raises ValueError (input the engine refuses) or
+        EngineOverloadedError (its waiting queue is full) with nothing queued."""
+        rids = [f"{request_id}-{i}" for i in range(len(params))]
+        deltas = await service.llm.submit(prompts, params, rids, adapter=adapter, tenant_id=str(tenant_id))
+        return cls(service, rids, deltas)
 
     @property
     def num_completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
 
-    async def _consume(self, i: int, prompt_ids: list[int], params: SamplingParams, rid: str,
-                       tenant_id: str) -> None:
-        choice = self.choices[i]
-        llm = self.service.llm
-        try:
-            async for out in llm.generate(prompt_ids, params, adapter=self.adapter, request_id=rid,
-                                          tenant_id=tenant_id):
-                self._update(choice, out)
-                self._queue.put_nowait((i, out))
-        except asyncio.CancelledError:
-            await llm.abort(rid)  # cancelled before the first delta: the request may already be queued
-            choice.finish_reason = choice.finish_reason or "abort"
-            raise
-        except Exception as exc:  # a request the engine refused, or a failed engine
-            choice.error = exc
-            choice.finish_reason = "abort"
-            self._queue.put_nowait((i, exc))
+    @property
+    def is_done(self) -> bool:
+        return self._reader.done()
 
-    async def _supervise(self) -> None:
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+    async def _read(self, deltas: asyncio.Queue) -> None:
+        num_open = len(self.choices)
+        while num_open:
+            out: RequestOutput = await deltas.get()
+            i = self._index[out.request_id]
+            self._update(self.choices[i], out)
+            num_open -= out.finished
+            self._events.put_nowait((i, out))
 
     @staticmethod
     def _update(choice: Choice, out: RequestOutput) -> None:
@@ -174,22 +192,23 @@ class Generation:
         choice.finish_reason = out.finish_reason
         choice.ttft_s = out.ttft_s if out.ttft_s is not None else choice.ttft_s
         choice.latency_s = out.latency_s
+        choice.error = out.error
 
-    async def events(self) -> AsyncIterator[tuple[int, RequestOutput | Exception]]:
+    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         num_open = len(self.choices)
         while num_open:
-            i, item = await self._queue.get()
-            if isinstance(item, Exception) or item.finished:
-                num_open -= 1
-            yield i, item
+            i, out = await self._events.get()
+            num_open -= out.finished
+            yield i, out
 
     def cancel(self) -> None:
         """Abort every engine request still running (no-op once they have all ended)."""
-        if not all(t.done() for t in self._tasks):
-            self.is_cancelled = True
-        for t in self._tasks:
-            t.cancel()
+        if self._reader.done():
+            return
+        self.is_cancelled = True
+        running = [rid for rid, c in zip(self.request_ids, self.choices, strict=True) if c.finish_reason is None]
+        self.service.llm.abort_nowait(*running)
 
     async def wait(self) -> None:
         """Until every engine request has ended (finished or aborted, its KV blocks freed)."""
-        await asyncio.shield(self._done)
+        await asyncio.shield(self._reader)

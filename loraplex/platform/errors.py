@@ -6,10 +6,13 @@ Bad input is a 4xx naming the field (`param`); a 500 means a bug or a failed eng
 from __future__ import annotations
 
 import logging
+import math
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
@@ -67,8 +70,28 @@ def insufficient_quota(message: str) -> APIError:
     return APIError(429, message, type="insufficient_quota", code="insufficient_quota")
 
 
-def unavailable(message: str, code: str = "service_unavailable") -> APIError:
-    return APIError(503, message, type="server_error", code=code, headers={"retry-after": "1"})
+def unavailable(message: str, code: str = "service_unavailable", retry_after_s: float = 1.0) -> APIError:
+    """503 for a fault of ours that a retry may not meet (the client should retry after `retry-after`)."""
+    return APIError(503, message, type="server_error", code=code, headers=_retry_after(retry_after_s))
+
+
+def overloaded(message: str, code: str = "server_overloaded", retry_after_s: float = 1.0) -> APIError:
+    """503 for load shed by design (Envoy's and Kong's answer before a backend melts): nothing ran."""
+    return APIError(503, message, type="server_overloaded", code=code, headers=_retry_after(retry_after_s))
+
+
+def shutting_down() -> APIError:
+    return unavailable("The server is shutting down; retry shortly (another replica takes it).",
+                       code="server_shutting_down")
+
+
+def engine_overloaded(retry_after_s: float = 1.0) -> APIError:
+    return overloaded("The engine is at capacity and its queue is full; retry after the time in `retry-after`.",
+                      retry_after_s=retry_after_s)
+
+
+def _retry_after(seconds: float) -> dict[str, str]:
+    return {"retry-after": str(max(1, math.ceil(seconds)))}
 
 
 def _param(loc: tuple) -> str | None:
@@ -80,25 +103,41 @@ async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
     return exc.response()
 
 
+def _message(error: dict) -> str:
+    """pydantic's message without its "Value error, " prefix (our checks word their own messages)."""
+    return error.get("msg", "invalid value").removeprefix("Value error, ")
+
+
 async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    param = _param(tuple(first.get("loc", ())))
+    loc = tuple(first.get("loc", ()))
+    param = _param(loc)
     if first.get("type") == "json_invalid":
         message, param = f"The request body is not valid JSON: {first.get('ctx', {}).get('error', '')}", None
-    elif tuple(first.get("loc", ())) == ("body",):
+    elif loc == ("body",) and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
         message = "The request body must be a JSON object, sent with `Content-Type: application/json`."
     else:
-        message = f"{param}: {first['msg']}" if param else first["msg"]
+        message = _message(first)
+        top = param.split(".")[0] if param else None
+        if top and top not in message:
+            message = f"{param}: {message}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
     return APIError(400, message, param=param).response()
 
 
 async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    codes = {404: "not_found", 405: "method_not_allowed"}
+    codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
     err = APIError(exc.status_code, str(exc.detail), code=codes.get(exc.status_code), headers=exc.headers)
     return err.response()
+
+
+async def _database_busy(_request: Request, exc: Exception) -> JSONResponse:
+    # The pool is sized for the gateway's concurrency and each use is brief, so this is a database that
+    # is down or locked for long: ours, and worth a retry.
+    logger.error("database unavailable: %s", exc)
+    return unavailable("The database is busy or unreachable; try again shortly.", code="database_unavailable").response()
 
 
 async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
@@ -111,4 +150,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(PoolTimeoutError, _database_busy)
+    app.add_exception_handler(OperationalError, _database_busy)
     app.add_exception_handler(Exception, _unexpected)

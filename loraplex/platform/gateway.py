@@ -15,6 +15,7 @@ from loraplex.adapters.store import AdapterStore
 from loraplex.platform import crud, db
 from loraplex.platform.config import QuotaDefaults, Settings
 from loraplex.platform.engine import EngineService
+from loraplex.platform.errors import shutting_down
 from loraplex.platform.metrics import Metrics
 from loraplex.platform.quotas.memory import MemoryBackend
 from loraplex.platform.quotas.service import QuotaService
@@ -38,6 +39,7 @@ class Gateway:
     owns_engine: bool = True
     started_at: int = field(default_factory=lambda: int(time.time()))
     background: set[asyncio.Task] = field(default_factory=set)
+    is_draining: bool = False  # shutting down: new work is refused with 503, running requests finish
 
     def spawn(self, coro) -> asyncio.Task:
         """Run `coro` detached from the request (it survives a client that disconnects)."""
@@ -45,6 +47,27 @@ class Gateway:
         self.background.add(task)
         task.add_done_callback(self.background.discard)
         return task
+
+    def refuse_if_draining(self) -> None:
+        """Raise 503 `server_shutting_down` (with retry-after) once `drain` has begun."""
+        if self.is_draining:
+            self.metrics.observe_shed("shutting_down")
+            raise shutting_down()
+
+    async def drain(self, grace_s: float) -> bool:
+        """Stop admitting (routes answer 503 `server_shutting_down`, /health 503) and wait up to `grace_s`
+        seconds for the running requests to finish and their usage to be recorded. True if they all did;
+        otherwise the rest are aborted (their usage is recorded as aborted when they end)."""
+        self.is_draining = True
+        deadline = time.monotonic() + grace_s
+        while self.background and time.monotonic() < deadline:
+            await asyncio.wait(list(self.background), timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+        if not self.background:
+            return True
+        logger.warning("shutdown grace of %.0f s is over: aborting %d running request(s)", grace_s,
+                       len(self.background))
+        await self.engine.abort_all()
+        return False
 
     async def close(self) -> None:
         if self.background:
@@ -70,7 +93,7 @@ def open_gateway(settings: Settings, engine: EngineService | None = None, *, mig
     url = settings.sqlalchemy_url
     if migrate:
         db.upgrade(url)
-    db_engine = db.make_engine(url)
+    db_engine = db.make_engine(url, settings.db_pool_size)
     sessions = db.make_session_factory(db_engine)
     with sessions() as s:
         admin = settings.admin_key.get_secret_value() if settings.admin_key else None

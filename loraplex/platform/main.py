@@ -12,6 +12,7 @@ from loraplex.platform.config import Settings
 from loraplex.platform.engine import EngineService
 from loraplex.platform.errors import install_error_handlers
 from loraplex.platform.gateway import open_gateway
+from loraplex.platform.middleware import BodyLimitMiddleware, ShedMiddleware
 
 
 def create_app(settings: Settings | None = None, engine: EngineService | None = None) -> FastAPI:
@@ -28,6 +29,9 @@ def create_app(settings: Settings | None = None, engine: EngineService | None = 
 
     app = FastAPI(title="loraplex", summary="Multi-tenant LoRA serving with an OpenAI-compatible API",
                   lifespan=lifespan, strict_content_type=False)
+    # JSON bodies past LORAPLEX_MAX_REQUEST_BYTES are refused as they arrive; uploads have their own limit.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes, exempt=("/v1/adapters",))
+    app.add_middleware(ShedMiddleware)  # added last: the outermost, so a shed request costs the least
     install_error_handlers(app)
     v1 = APIRouter(prefix="/v1")
     for module in (models, chat, completions, adapters):

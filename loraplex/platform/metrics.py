@@ -61,11 +61,16 @@ class Metrics:
                               buckets=TPOT_BUCKETS, registry=self.registry)
         self.latency = Histogram("loraplex_request_latency_seconds", "Engine latency of a request",
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.shed = Counter("loraplex_requests_shed", "Requests refused with 503 by design before anything ran, by "
+                            "reason (engine_queue_full, shutting_down)", ["reason"], registry=self.registry)
         self.engine = EngineCollector()
         self.registry.register(self.engine)
 
     def observe_request(self, tenant: str, endpoint: str, status: str) -> None:
         self.requests.labels(tenant, endpoint, status).inc()
+
+    def observe_shed(self, reason: str) -> None:
+        self.shed.labels(reason).inc()
 
     def observe_generation(self, tenant: str, num_prompt_tokens: int, num_completion_tokens: int,
                            ttft_s: float | None, latency_s: float | None) -> None:

@@ -1,14 +1,46 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic). Responses are built as plain dicts in
-`completion.py`, in OpenAI's wire format. Fields loraplex cannot honour are refused by name, never
-silently ignored; unknown fields are ignored, as OpenAI's API does with fields it does not know."""
+`completion.py`, in OpenAI's wire format.
+
+Every sampling field is checked here by the same function `SamplingParams` uses (`engine/sampling_params`),
+so each refusal is a 400 whose `param` names the field and whose message gives the allowed range. Limits
+that are settings (`n`, prompts and sequences per call) and checks that need the model (context, and
+`top_k` and `stop_token_ids` against the vocabulary) are applied by `completion.py` before anything is
+queued. NaN and Infinity (which Python's JSON parser reads) are refused in every number: by the range
+checks, which say the range, and as not supported in the fields that are.
+Fields loraplex cannot honour are refused by name, never silently ignored; unknown fields are ignored,
+as OpenAI's API does with fields it does not know.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-MAX_N = 16
+from loraplex.engine.sampling_params import (
+    check_max_tokens,
+    check_seed,
+    check_stop,
+    check_temperature,
+    check_top_p,
+)
+
+# Fields of OpenAI's API that loraplex refuses unless they hold their neutral value (what leaving them
+# out means), with that value.
+UNSUPPORTED_SAMPLING = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}}
+UNSUPPORTED_CHAT = {"logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none", "functions": [],
+                    "function_call": "none", "audio": None, "prediction": None}
+UNSUPPORTED_COMPLETION = {"echo": False, "logprobs": 0, "suffix": ""}
+
+
+def _is_neutral(value, neutral) -> bool:
+    return value is None or value == neutral or (isinstance(neutral, (dict, list)) and not value)
+
+
+def _refuse_unsupported(info: ValidationInfo, value, table: dict):
+    if not _is_neutral(value, table[info.field_name]):
+        raise ValueError(f"`{info.field_name}` is not supported by loraplex")
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -41,13 +73,14 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, description="loraplex extension: -1 keeps every token")
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(None, description="vLLM extension: -1 or 0 keep every token, else 1..vocab size")
     ignore_eos: bool = Field(False, description="vLLM extension: EOS does not stop, generate max_tokens")
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(1, description="choices per prompt, 1..LORAPLEX_MAX_N")
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(None, description="vLLM extension: token ids that end a choice")
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -56,48 +89,75 @@ class SamplingFields(BaseModel):
     presence_penalty: float | None = None
     logit_bias: dict | None = None
 
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, v):
+        return v if v is None else check_max_tokens(v)
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v):
+        return v if v is None else check_temperature(v)
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v):
+        return v if v is None else check_top_p(v)
+
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
-        if isinstance(v, list) and len(v) > 4:
-            raise ValueError("at most 4 stop sequences")
+        check_stop(v)
         return v
 
-    @field_validator("top_k")
+    @field_validator("seed")
     @classmethod
-    def _top_k(cls, v):
-        if v is not None and v != -1 and v < 1:
-            raise ValueError("top_k must be -1 (off) or >= 1")
+    def _seed(cls, v):
+        return check_seed(v)
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream: true")
         return v
 
-    @model_validator(mode="after")
-    def _unsupported(self):
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name):
-                raise ValueError(f"{name} is not supported by loraplex (send 0 or leave it out)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by loraplex")
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream: true")
-        return self
+    @field_validator(*UNSUPPORTED_SAMPLING)
+    @classmethod
+    def _unsupported_sampling(cls, v, info: ValidationInfo):
+        return _refuse_unsupported(info, v, UNSUPPORTED_SAMPLING)
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    tools: list | None = None
+    max_completion_tokens: int | None = None
     response_format: dict | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list | None = None
+    tool_choice: Any = None
+    functions: list | None = None
+    function_call: Any = None
+    audio: Any = None
+    prediction: Any = None
 
-    @model_validator(mode="after")
-    def _chat_unsupported(self):
-        if self.logprobs:
-            raise ValueError("logprobs is not supported by loraplex")
-        if self.tools:
-            raise ValueError("tools are not supported by loraplex")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than text is not supported by loraplex")
-        return self
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _max_completion_tokens(cls, v):
+        return v if v is None else check_max_tokens(v, "max_completion_tokens")
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v):
+        if v and v.get("type", "text") != "text":
+            raise ValueError(f"`response_format` of type {v.get('type')!r} is not supported by loraplex "
+                             "(only {\"type\": \"text\"})")
+        return v
+
+    @field_validator(*UNSUPPORTED_CHAT)
+    @classmethod
+    def _unsupported_chat(cls, v, info: ValidationInfo):
+        return _refuse_unsupported(info, v, UNSUPPORTED_CHAT)
 
 
 class CompletionRequest(SamplingFields):
@@ -114,11 +174,20 @@ class CompletionRequest(SamplingFields):
             raise ValueError("the prompt is empty")
         return v
 
-    @model_validator(mode="after")
-    def _completion_unsupported(self):
-        for name in ("echo", "logprobs", "suffix"):
-            if getattr(self, name):
-                raise ValueError(f"{name} is not supported by loraplex")
-        if self.best_of not in (None, 1, self.n):
-            raise ValueError("best_of is not supported by loraplex")
-        return self
+    @field_validator(*UNSUPPORTED_COMPLETION)
+    @classmethod
+    def _unsupported_completion(cls, v, info: ValidationInfo):
+        return _refuse_unsupported(info, v, UNSUPPORTED_COMPLETION)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v, info: ValidationInfo):
+        if v not in (None, 1, info.data.get("n")):
+            raise ValueError("`best_of` other than 1 or n is not supported by loraplex")
+        return v
+
+    @property
+    def num_prompts(self) -> int:
+        """Prompts in `prompt` (one string or token id list, or a list of them), known before tokenizing."""
+        p = self.prompt
+        return 1 if isinstance(p, str) or (p and isinstance(p[0], int)) else len(p)

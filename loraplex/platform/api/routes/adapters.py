@@ -41,6 +41,7 @@ def _limited(receive, max_bytes: int):
 
 @router.post("", status_code=201, openapi_extra=UPLOAD_BODY)
 async def upload_adapter(request: Request, gw: GatewayDep, gate: TenantQuota) -> dict:
+    gw.refuse_if_draining()
     limit = gw.settings.max_upload_bytes
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit + FORM_OVERHEAD:

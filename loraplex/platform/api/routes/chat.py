@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 
 from loraplex.platform import completion
@@ -17,9 +19,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                                  gate: TenantQuota):
     plan = completion.Plan("chat", body, prompts=[])
     await completion.resolve_model(gw, gate.caller.tenant_id, plan)
+    completion.check_fan_out(gw, plan, num_prompts=1)
     messages = [m.as_template_message() for m in body.messages]
     try:
-        plan.prompts = [gw.engine.encode_chat(messages)]
+        plan.prompts = [await asyncio.to_thread(gw.engine.encode_chat, messages)]
     except Exception as e:  # the model's chat template refuses this conversation
         raise invalid_request(f"messages cannot be rendered with the model's chat template: {e}",
                               param="messages") from None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 
 from loraplex.platform import completion
@@ -18,15 +20,15 @@ def _prompts(gw, prompt) -> list[list[int]]:
         prompt = [prompt]
     elif prompt and isinstance(prompt[0], int):
         prompt = [prompt]
-    ids = [gw.engine.encode(p) if isinstance(p, str) else list(p) for p in prompt]
-    if any(not p for p in ids):
-        raise invalid_request("The prompt is empty.", param="prompt")
-    return ids
+    return [gw.engine.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
 
 @router.post("/completions")
 async def create_completion(body: CompletionRequest, request: Request, gw: GatewayDep, gate: TenantQuota):
     plan = completion.Plan("completion", body, prompts=[])
     await completion.resolve_model(gw, gate.caller.tenant_id, plan)
-    plan.prompts = _prompts(gw, body.prompt)
+    completion.check_fan_out(gw, plan, body.num_prompts)
+    plan.prompts = await asyncio.to_thread(_prompts, gw, body.prompt)
+    if any(not p for p in plan.prompts):
+        raise invalid_request("The prompt is empty.", param="prompt")
     return await completion.run(request, gw, gate, plan)

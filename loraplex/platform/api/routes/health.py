@@ -1,8 +1,10 @@
-"""GET /health (liveness) and GET /metrics (Prometheus)."""
+"""GET /health (readiness: 503 while shutting down, so a load balancer stops sending) and GET /metrics
+(Prometheus)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from loraplex.platform.api.deps import GatewayDep
@@ -11,7 +13,9 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/health")
-async def health() -> dict:
+async def health(gw: GatewayDep):
+    if gw.is_draining:
+        return JSONResponse({"status": "draining"}, status_code=503, headers={"retry-after": "1"})
     return {"status": "ok"}
 
 

@@ -133,7 +133,7 @@ def test_ignore_eos_generates_max_tokens(make_tenant):
     ({"n": 100}, "n"),
     ({"top_p": 0}, "top_p"),
     ({"messages": []}, "messages"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": [str(i) for i in range(17)]}, "stop"),
 ])
 def test_bad_requests_name_the_field(make_tenant, body, param):
     t = make_tenant()
@@ -228,7 +228,7 @@ BAD_BODIES = [
     {"model": BASE_MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
     {"model": BASE_MODEL, "messages": [{"role": "user", "content": "x"}], "stop": 5},
     {"model": BASE_MODEL, "messages": [{"role": "user", "content": "x"}], "n": "many"},
-    {"model": BASE_MODEL, "messages": [{"role": "user", "content": "x"}], "top_k": 0},
+    {"model": BASE_MODEL, "messages": [{"role": "user", "content": "x"}], "top_k": -2},
     {"model": BASE_MODEL, "messages": [{"role": "user", "content": "x"}], "seed": 1.5},
     {"model": BASE_MODEL, "messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}},
     {"model": BASE_MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True},

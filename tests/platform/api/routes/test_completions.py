@@ -10,6 +10,7 @@ import pytest
 
 from tests.helpers import chat_ids
 from tests.platform.factories import BASE_MODEL
+from tests.platform.servers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +52,7 @@ def test_stream(make_tenant):
 
 
 @pytest.mark.parametrize("body, param", [({"prompt": []}, "prompt"), ({"prompt": ""}, "prompt"),
-                                         ({"prompt": [10**9]}, "prompt"), ({"prompt": "x", "echo": True}, None)])
+                                         ({"prompt": [10**9]}, "prompt"), ({"prompt": "x", "echo": True}, "echo")])
 def test_bad_prompts(make_tenant, body, param):
     t = make_tenant()
     r = complete(t, **body)
@@ -106,3 +107,26 @@ def test_open_streams_hold_no_database_connection(make_tenant, gateway, server):
     assert len(results) == num_streams
     assert all(status == 200 and first.startswith("data: {") and last == "data: [DONE]"
                for status, first, last in results)
+
+
+def test_requests_that_generate_hold_no_database_connection(make_tenant, gateway, server, engine_service):
+    """A non-streamed request used to keep the connection its authentication took until it was answered:
+    under 2x load, authentication of new requests waited 30 s for the pool (5 + 10) and failed with 500."""
+    t = make_tenant()
+    engine = engine_service.llm.engine
+    results = []
+
+    def call() -> None:
+        body = {"model": BASE_MODEL, "prompt": "Count: one, two,", "max_tokens": 64, "temperature": 0,
+                "ignore_eos": True}
+        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {t.key}"}, timeout=120) as c:
+            results.append(c.post("/v1/completions", json=body).status_code)
+
+    threads = [threading.Thread(target=call) for _ in range(12)]
+    for th in threads:
+        th.start()
+    wait_until(lambda: len(engine.scheduler.running) == 12, timeout=60, interval=0.005, what="12 running")
+    checked_out = gateway.db.pool.checkedout()
+    for th in threads:
+        th.join(timeout=120)
+    assert checked_out == 0 and results == [200] * 12

@@ -1,0 +1,174 @@
+"""Every bound and refusal of the OpenAI endpoints over real HTTP: status, `param` and message exactly.
+
+The shared server runs the default settings; `strict` is a second app on the same engine with small
+limits, so that the limits that are settings are seen at their edges.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.platform import factories
+from tests.platform.factories import BASE_MODEL
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 49152  # SmolLM2's
+CHAT = {"model": BASE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+COMPLETION = {"model": BASE_MODEL, "prompt": "One, two,", "max_tokens": 4}
+
+
+def error_of(r, status: int = 400) -> dict:
+    assert r.status_code == status, r.text
+    return r.json()["error"]
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"top_k": 10**30}, "top_k", f"top_k must be -1 or 0 (off) or an integer in [1, {VOCAB}], got {10**30}"),
+    ({"top_k": VOCAB + 1}, "top_k", f"top_k must be -1 or 0 (off) or an integer in [1, {VOCAB}], got {VOCAB + 1}"),
+    ({"top_k": -5}, "top_k", f"top_k must be -1 or 0 (off) or an integer in [1, {VOCAB}], got -5"),
+    ({"temperature": 3}, "temperature", "temperature must be a number in [0, 2], got 3.0"),
+    ({"temperature": float("nan")}, "temperature", "temperature must be a number in [0, 2], got nan"),
+    ({"top_p": float("inf")}, "top_p", "top_p must be a number in (0, 1], got inf"),
+    ({"presence_penalty": float("-inf")}, "presence_penalty", "`presence_penalty` is not supported by loraplex"),
+    ({"top_p": 0}, "top_p", "top_p must be a number in (0, 1], got 0.0"),
+    ({"max_tokens": 0}, "max_tokens", "max_tokens must be an integer >= 1, got 0"),
+    ({"max_completion_tokens": -1}, "max_completion_tokens", "max_completion_tokens must be an integer >= 1, got -1"),
+    ({"n": 0}, "n", "n must be an integer in [1, 16], got 0."),
+    ({"n": 17}, "n", "n must be an integer in [1, 16], got 17."),
+    ({"seed": 2**64}, "seed", f"seed must be an integer in [-2**63, 2**63 - 1], got {2**64}"),
+    ({"stop": [str(i) for i in range(17)]}, "stop", "stop takes at most 16 strings, got 17"),
+    ({"stop": "x" * 257}, "stop", "each stop string has at most 256 characters, got one of 257"),
+    ({"stop_token_ids": [VOCAB]}, "stop_token_ids", f"stop_token_ids must be token ids in [0, {VOCAB}), got {VOCAB}"),
+    ({"logit_bias": {"1": 5}}, "logit_bias", "`logit_bias` is not supported by loraplex"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty", "`frequency_penalty` is not supported by loraplex"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "`tools` is not supported by loraplex"),
+    ({"logprobs": True}, "logprobs", "`logprobs` is not supported by loraplex"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "stream_options is only allowed with stream: true"),
+    ({"response_format": {"type": "json_object"}}, "response_format",
+     "`response_format` of type 'json_object' is not supported by loraplex (only {\"type\": \"text\"})"),
+    ({"max_tokens": 100_000}, "max_tokens", None),  # context: see test_chat
+])
+def test_chat_refusals_name_the_field_and_the_range(make_tenant, body, param, message):
+    t = make_tenant()
+    # json.dumps writes NaN and Infinity as Python's json module reads them (httpx's json= refuses to)
+    r = t.client.post("/v1/chat/completions", content=json.dumps({**CHAT, **body}),
+                      headers={"content-type": "application/json"})
+    err = error_of(r)
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    if message is not None:
+        assert err["message"] == message
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(make_tenant):
+    t = make_tenant()
+    body = {**CHAT, "temperature": 0, "top_k": 0, "logit_bias": {}, "frequency_penalty": 0, "tools": [],
+            "tool_choice": "none", "logprobs": False, "response_format": {"type": "text"}, "seed": -(2**63),
+            "stop_token_ids": [VOCAB - 1], "unknown_field": 1}
+    r = t.client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"echo": True}, "echo", "`echo` is not supported by loraplex"),
+    ({"suffix": "x"}, "suffix", "`suffix` is not supported by loraplex"),
+    ({"best_of": 3}, "best_of", "`best_of` other than 1 or n is not supported by loraplex"),
+    ({"prompt": [[1, 2], [3, VOCAB]]}, "prompt", f"Token ids must be in [0, {VOCAB})."),
+])
+def test_completion_refusals_name_the_field(make_tenant, body, param, message):
+    t = make_tenant()
+    err = error_of(t.client.post("/v1/completions", json={**COMPLETION, **body}))
+    assert (err["param"], err["message"]) == (param, message)
+
+
+def test_a_hostile_fan_out_is_refused_at_once(make_tenant):
+    """1,000 prompts x n 16 used to fan out to 16,000 sequences and no answer came within 30 s."""
+    t = make_tenant()
+    started = time.monotonic()
+    err = error_of(t.client.post("/v1/completions", json={**COMPLETION, "prompt": ["Hello"] * 1000, "n": 16}))
+    assert time.monotonic() - started < 5
+    assert err == {"message": "The prompt list has 1000 prompts; at most 64 are allowed per request.",
+                   "type": "invalid_request_error", "param": "prompt", "code": None}
+    err = error_of(t.client.post("/v1/completions", json={**COMPLETION, "prompt": ["Hello"] * 10, "n": 16}))
+    assert err["param"] == "n"
+    assert err["message"] == "n x prompts is 16 x 10 = 160 sequences; at most 64 are allowed per request."
+    # prompt tokens per call (default 65,536): nine prompts of 7,300 token ids, each within the context
+    err = error_of(t.client.post("/v1/completions", json={**COMPLETION, "prompt": [[5] * 7300] * 9}))
+    assert err["param"] == "prompt"
+    assert err["message"] == "The prompts have 65700 tokens; at most 65536 are allowed per request."
+
+
+@pytest.fixture(scope="module")
+def strict(make_settings, start_app, redis_server, admin):
+    """An app on the shared engine with small per-call limits."""
+    server = start_app(make_settings(redis_url=redis_server.url, max_n=2, max_sequences_per_request=4,
+                                     max_prompt_tokens_per_request=100, max_tokens_limit=8, max_request_bytes=4096))
+    with factories.client(server.url, server.settings.admin_key.get_secret_value()) as c:
+        tenant = factories.make_tenant(c, server.url)
+    yield tenant
+    tenant.client.close()
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"n": 3}, "n", "n must be an integer in [1, 2], got 3."),
+    ({"prompt": ["a"] * 5}, "prompt", "The prompt list has 5 prompts; at most 4 are allowed per request."),
+    ({"prompt": ["a"] * 3, "n": 2}, "n", "n x prompts is 2 x 3 = 6 sequences; at most 4 are allowed per request."),
+    ({"prompt": [[7] * 51, [7] * 50]}, "prompt", "The prompts have 101 tokens; at most 100 are allowed per request."),
+    ({"max_tokens": 9}, "max_tokens", "max_tokens is 9; at most 8 tokens are allowed per choice."),
+])
+def test_per_call_limits_are_settings(strict, body, param, message):
+    err = error_of(strict.client.post("/v1/completions", json={**COMPLETION, **body}))
+    assert (err["param"], err["message"]) == (param, message)
+
+
+def test_limits_themselves_are_admitted(strict):
+    r = strict.client.post("/v1/completions", json={**COMPLETION, "prompt": [[7] * 50, [7] * 50], "n": 2,
+                                                    "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert [len(c["text"]) > 0 for c in r.json()["choices"]] == [True] * 4
+    assert r.json()["usage"]["completion_tokens"] == 32
+    r = strict.client.post("/v1/completions", json={**COMPLETION, "max_tokens": None, "ignore_eos": True,
+                                                    "temperature": 0})
+    assert r.json()["usage"]["completion_tokens"] == 8  # the default max_tokens is capped at the limit
+
+
+def test_a_body_over_the_limit_is_413_declared_or_chunked(strict):
+    big = {**COMPLETION, "prompt": "x" * 5000}
+    err = error_of(strict.client.post("/v1/completions", json=big), 413)
+    assert err == {"message": "The request body exceeds the limit of 4096 bytes.", "type": "invalid_request_error",
+                   "param": None, "code": "request_too_large"}
+
+    def chunks():
+        for _ in range(10):
+            yield b" " * 1000
+        yield b'{"model": "x"}'
+
+    r = strict.client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert error_of(r, 413)["code"] == "request_too_large"
+
+
+def test_a_fan_out_holds_one_concurrency_slot_per_sequence(make_tenant):
+    t = make_tenant(max_concurrent_requests=2)
+    err = error_of(t.chat(n=3), 429)
+    assert err == {"message": "Request too large for concurrent requests: Limit 2, Requested 3 sequences (n x "
+                              "prompts). Reduce n or the prompt list.", "type": "requests", "param": "n",
+                   "code": "rate_limit_exceeded"}
+    assert t.chat(n=2).status_code == 200
+
+
+def test_a_fan_out_reserves_tokens_per_sequence(make_tenant, tokenizer):
+    """Each sequence reserves its prompt and max_tokens against TPM; the charge is the usage reported."""
+    from tests.helpers import chat_ids
+
+    num_prompt = len(chat_ids(tokenizer, "Say hi"))
+    tpm = 4 * (num_prompt + 10)
+    t = make_tenant(tpm=tpm)
+    err = error_of(t.chat(n=5, max_tokens=10), 429)
+    assert err["message"].startswith(f"Request too large for tokens per min (TPM): Limit {tpm}, Requested "
+                                     f"{5 * (num_prompt + 10)} (prompt + max_tokens).")
+    r = t.chat(n=4, max_tokens=10)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == num_prompt  # counted once in usage, as OpenAI does

@@ -1,0 +1,73 @@
+"""One tenant's request that makes the engine fault ends alone, over real HTTP: that tenant gets a 503
+`engine_error` with retry-after (and can send again), another tenant's requests running in the same
+batch get exactly the answers they get without it."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from sqlalchemy import select
+
+from loraplex.platform.models import UsageRecord
+from tests.platform.servers import wait_until
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["Name a fruit.", "Say hi.", "Count to five.", "What is water made of?", "Tell me a color.",
+             "Why is the sky blue?", "Name a planet.", "What is the capital of France?"]
+
+
+def eight_requests(tenant) -> list[dict]:
+    """Tenant b's 8 chats: greedy and seeded sampling, 24 tokens each (ignore_eos: they run together)."""
+    with ThreadPoolExecutor(8) as pool:
+        rs = list(pool.map(lambda i: tenant.chat(content=QUESTIONS[i], max_tokens=24, ignore_eos=True,
+                                                 temperature=0 if i % 2 else 0.8, seed=i), range(8)))
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+    return [r.json() for r in rs]
+
+
+def test_a_poisoned_request_ends_alone(make_tenant, engine_service, gateway):
+    a, b = make_tenant(), make_tenant()
+    clean = eight_requests(b)
+    engine = engine_service.llm.engine
+    raised = threading.Event()
+
+    def poison(stage, req):  # tenant a's sampling fails, as a bad sampling value once did
+        if stage == "sample" and req is not None and req.tenant_id == str(a.id):
+            raised.set()
+            raise OverflowError("injected: Overflow when unpacking long long")
+
+    results = {}
+
+    def poisoned_call():
+        wait_until(lambda: len(engine.scheduler.running) >= 8, timeout=60, interval=0.005,
+                   what="b's requests running")
+        results["a"] = a.chat(content="Tell me a story.", max_tokens=24)
+
+    engine.inject_fault = poison
+    try:
+        thread = threading.Thread(target=poisoned_call)
+        thread.start()
+        mixed = eight_requests(b)
+        thread.join(timeout=120)
+    finally:
+        engine.inject_fault = None
+    assert raised.is_set()
+    r = results["a"]
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"] == {"message": "The engine failed while generating this request; try again.",
+                                 "type": "server_error", "param": None, "code": "engine_error"}
+    for before, after in zip(clean, mixed, strict=True):
+        assert after["choices"][0]["message"]["content"] == before["choices"][0]["message"]["content"]
+        assert after["usage"] == before["usage"]
+    assert a.chat(content="Tell me a story.", max_tokens=4).status_code == 200  # a's next request is served
+
+    def records(tenant_id):
+        with gateway.sessions() as s:
+            return list(s.scalars(select(UsageRecord).where(UsageRecord.tenant_id == tenant_id)))
+
+    wait_until(lambda: len(records(a.id)) == 2 and len(records(b.id)) == 16, timeout=20, what="usage")
+    assert sorted(r.status for r in records(a.id)) == ["error", "ok"]
+    assert {r.status for r in records(b.id)} == {"ok"}
