@@ -4,8 +4,8 @@ The step loop runs in its own thread, so a forward pass never blocks the event l
 aborts reach it through a command queue (the engine is single-threaded); deltas come back through one
 asyncio queue per call (`submit`), a call being all the requests of one API request. Leaving the
 `async for` of `generate` early (a client that disconnects) aborts the request and frees its KV blocks.
-A step that raises (no request to blame) aborts every request with `RequestOutput.error` set, and the
-loop keeps serving.
+A step that raises (no request to blame) aborts the running batch with `RequestOutput.error` set, and
+the loop keeps serving the waiting requests.
 """
 
 from __future__ import annotations
@@ -102,9 +102,23 @@ class AsyncLLM:
         for rid in request_ids:
             self._streams[rid] = stream
 
-    def _abort(self, *request_ids: str) -> None:
-        outs = [self.engine.abort_request(rid) for rid in request_ids]
-        self._deliver(*(o for o in outs if o is not None))
+    async def abort_all(self) -> int:
+        """Abort every request of the engine, waiting ones too, in one command (shutdown); returns how
+        many there were."""
+        return await self._call(lambda: self._abort(*list(self.engine.requests)))
+
+    def _abort(self, *request_ids: str) -> int:
+        outs = []
+        for rid in request_ids:
+            try:
+                out = self.engine.abort_request(rid)
+            except Exception:  # abort_request ends the request even when it raises; go on with the rest
+                logger.exception("abort of %s failed", rid)
+                continue
+            if out is not None:
+                outs.append(out)
+        self._deliver(*outs)
+        return len(outs)
 
     def _run_command(self, cmd) -> None:
         fn, args, fut = cmd
@@ -132,10 +146,7 @@ class AsyncLLM:
             loop, deltas = stream
             by_loop.setdefault(loop, []).append((deltas, out))
         for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the consumer's event loop is closed: nobody reads these streams
-                pass
+            _put_all_threadsafe(loop, items)
 
     def _loop(self) -> None:
         while True:
@@ -155,24 +166,31 @@ class AsyncLLM:
             try:
                 self._deliver(*self.engine.step())
             except Exception as exc:  # no request to blame (the forward pass): end the batch, keep serving
-                logger.exception("engine step failed; aborting all requests")
-                self._abort_all(f"the engine step failed: {type(exc).__name__}: {exc}")
+                logger.exception("engine step failed; aborting the batch")
+                self._abort_batch(f"the engine step failed: {type(exc).__name__}: {exc}")
 
-    def _abort_all(self, error: str) -> None:
-        for rid in list(self.engine.requests):
-            try:
-                self.engine.requests[rid].error = error
-                self._abort(rid)
-            except Exception:
-                logger.exception("abort of %s failed", rid)
-        for rid, (loop, deltas) in list(self._streams.items()):  # streams whose abort failed above
-            del self._streams[rid]
-            out = RequestOutput(request_id=rid, prompt_token_ids=[], token_ids=[], text="", finish_reason="abort",
-                                adapter=None, error=error)
-            try:
-                loop.call_soon_threadsafe(deltas.put_nowait, out)
-            except RuntimeError:
-                pass
+    def _abort_batch(self, error: str) -> None:
+        """End the running requests with `error`; the waiting ones go on, unless nothing was running (a
+        step that fails with no batch would fail again on the same queue)."""
+        sched = self.engine.scheduler
+        victims = list(sched.running) or list(sched.waiting)
+        for req in victims:
+            req.error = error
+        self._abort(*(r.request_id for r in victims))
+        for req in victims:  # streams of requests the engine no longer knows: end them too
+            stream = self._streams.pop(req.request_id, None)
+            if stream is not None:
+                out = RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                                    token_ids=list(req.output_token_ids), text="", finish_reason="abort",
+                                    adapter=req.adapter, error=error)
+                _put_all_threadsafe(stream[0], [(stream[1], out)])
+
+
+def _put_all_threadsafe(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    try:
+        loop.call_soon_threadsafe(_put_all, items)
+    except RuntimeError:  # the consumer's event loop is closed: nobody reads these streams
+        pass
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

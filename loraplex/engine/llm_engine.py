@@ -5,9 +5,9 @@
 
 Faults are isolated per request (vLLM isolates a failing request the same way): an exception in one
 request's sampling, stop check or detokenization ends that request alone with finish reason "abort" and
-`RequestOutput.error`, and every other request of the step goes on. Only an exception that belongs to
-no request (the forward pass, the scheduler) leaves `step()`; the caller then aborts the batch and
-steps on (`AsyncLLM` does).
+`RequestOutput.error`, and every other request of the step goes on. Placing a request's adapter in a slot
+is its own too (the scheduler ends it). Only an exception that belongs to no request (the forward pass)
+leaves `step()`; the caller then aborts the batch and steps on (`AsyncLLM` does).
 """
 
 from __future__ import annotations
@@ -200,7 +200,10 @@ class LLMEngine:
         if req is None or req.is_finished:
             return None
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        return self._output(req, [])
+        try:
+            return self._output(req, [])
+        except Exception as exc:  # still forget it: a request left in self.requests would never end
+            return self._fail(req, exc)
 
     def unload_adapter(self, name: str) -> None:
         """Forget an adapter. KeyError if unknown; AdapterInUseError while any request (running or
@@ -235,7 +238,12 @@ class LLMEngine:
 
     def _update(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         now = time.monotonic()
-        outputs = [self._output(req, []) for req in sched.aborted]
+        outputs = []
+        for req in sched.aborted:
+            try:
+                outputs.append(self._output(req, []))
+            except Exception as exc:
+                outputs.append(self._fail(req, exc))
         for req in sched.requests:
             rid = req.request_id
             req.num_computed_tokens += sched.num_scheduled_tokens[rid]

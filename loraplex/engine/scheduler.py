@@ -23,6 +23,7 @@ that only decode, which the engine feeds; a prefill chunk's step says little abo
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from loraplex.adapters.manager import AdapterManager
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 PREFETCH_LOOKAHEAD = 32  # waiting requests whose adapters are prefetched
 STEP_TIME_DECAY = 0.9  # weight of the old value in the step time's exponential average
@@ -65,6 +68,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.step_time_s = 0.0  # recent seconds per decode-only step (0 until one is timed)
+        self.is_kv_limited = False  # the last admission stopped for want of KV blocks
 
     def add_request(self, req: Request) -> None:
         self.waiting.append(req)
@@ -74,26 +78,34 @@ class Scheduler:
         """Tokens the waiting requests still have to prefill (preempted ones included)."""
         return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
 
-    def has_room(self, num_seqs: int, num_tokens: int) -> bool:
+    @property
+    def num_free_places(self) -> int:
+        """Places in the batch the next step can admit into: none while admission waits for KV blocks."""
+        return 0 if self.is_kv_limited else max(0, self.cfg.max_num_seqs - len(self.running))
+
+    def has_room(self, num_seqs: int, num_tokens: int | None) -> bool:
         """Whether `num_seqs` more requests with `num_tokens` tokens to prefill fit in the waiting queue's
         bounds. The running batch's free places count as room (the next step admits into them), and an
-        empty queue takes anything, so a call larger than the bounds still runs when the engine is idle."""
+        empty queue takes anything, so a call larger than the bounds still runs when the engine is idle.
+        num_tokens None skips the token bound (its scan of the queue), which makes this safe to call from
+        another thread, as a hint: the gateway does, to shed before it reads a request."""
         if not self.waiting:
             return True
-        free = max(0, self.cfg.max_num_seqs - len(self.running))
         max_wait = self.cfg.max_queue_wait_s
-        return (len(self.waiting) + num_seqs <= self.cfg.max_num_waiting_seqs + free
-                and self.num_waiting_tokens + num_tokens <= self.cfg.max_num_waiting_tokens
+        return (len(self.waiting) + num_seqs <= self.cfg.max_num_waiting_seqs + self.num_free_places
+                and (num_tokens is None or self.num_waiting_tokens + num_tokens <= self.cfg.max_num_waiting_tokens)
                 and (max_wait is None or self.estimated_wait_s(num_seqs) <= max_wait))
 
     def estimated_wait_s(self, num_seqs: int) -> float:
         """Seconds until the last of `num_seqs` new requests, queued behind the waiting ones, gets a place
         in the batch: place k frees when the running request with the k-th fewest tokens left ends
-        (after a whole round of the batch, the longest stands in for the requests then running)."""
-        need = len(self.waiting) + num_seqs - max(0, self.cfg.max_num_seqs - len(self.running))
-        if need <= 0 or not self.running:
+        (after a whole round of the batch, the longest stands in for the requests then running). Safe to
+        call from another thread (it reads one snapshot of the running list)."""
+        running = list(self.running)
+        need = len(self.waiting) + num_seqs - self.num_free_places
+        if need <= 0 or not running:
             return 0.0
-        left = sorted(r.sampling_params.max_tokens - r.num_output_tokens for r in self.running)
+        left = sorted(r.sampling_params.max_tokens - r.num_output_tokens for r in running)
         rounds, k = divmod(need - 1, len(left))
         return (rounds * left[-1] + left[k]) * self.step_time_s
 
@@ -142,6 +154,7 @@ class Scheduler:
         # Static batching (a benchmark baseline) admits a whole batch at once, even requests whose
         # prefill must wait for a later step's token budget.
         skipped: list[Request] = []
+        self.is_kv_limited = False
         blocked: str | None = None  # adapter of the oldest request waiting for a slot
         examined: set[str | None] = set()  # adapters of the requests looked at this step
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
@@ -162,10 +175,19 @@ class Scheduler:
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.block_manager.allocate(req, num_new):
+                self.is_kv_limited = True
                 break
             self.waiting.popleft()
             if req.adapter is not None:
-                req.lora_slot = self.adapters.acquire(req.adapter)
+                try:
+                    req.lora_slot = self.adapters.acquire(req.adapter)
+                except Exception as exc:  # placing this adapter failed: its requests end, the batch goes on
+                    logger.exception("adapter %r could not be placed in a slot", req.adapter)
+                    self.adapters.failed[req.adapter] = f"{type(exc).__name__}: {exc}"
+                    req.error = f"adapter {req.adapter!r} could not be placed in a slot: {exc}"
+                    self.finish(req, RequestStatus.FINISHED_ABORTED)
+                    out.aborted.append(req)
+                    continue
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             if num_new:

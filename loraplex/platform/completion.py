@@ -33,6 +33,7 @@ from loraplex.platform.errors import (
     engine_overloaded,
     invalid_request,
     model_not_found,
+    shutting_down,
     unavailable,
 )
 from loraplex.platform.gateway import Gateway
@@ -192,7 +193,8 @@ async def _run(request: Request, gw: Gateway, gate: QuotaGate, plan: Plan, param
     # a concurrency slot. The refund at the end brings the charge down to the usage reported.
     cost = body.n * plan.num_prompt_tokens + plan.num_sequences * plan.max_tokens
     try:
-        ticket = await gate.admit(cost, plan.request_id, plan.num_sequences)
+        ticket = await gate.admit(cost, plan.request_id, plan.num_sequences,
+                                  "n" if body.n > 1 else plan.prompt_param)
     except APIError as e:
         gw.metrics.observe_request(caller.tenant_name, plan.endpoint, str(e.status_code))
         raise
@@ -202,15 +204,15 @@ async def _run(request: Request, gw: Gateway, gate: QuotaGate, plan: Plan, param
         prompts = [p for p in plan.prompts for _ in range(body.n)]
         gen = await Generation.start(gw.engine, prompts, params, plan.engine_adapter, plan.request_id,
                                      caller.tenant_id)
-    except BaseException as exc:
-        gw.spawn(gw.quotas.settle(ticket, 0))
+    except BaseException as exc:  # nothing ran: the reservation, the slots and the RPM unit go back
+        gw.spawn(gw.quotas.settle(ticket, 0, ran=False))
         if isinstance(exc, EngineOverloadedError):
             raise overloaded_answer(gw, caller, plan, exc.retry_after_s) from None
         if isinstance(exc, AdapterError):
             raise unavailable(f"The adapter `{plan.adapter}` could not be loaded: {exc}",
                               code="adapter_load_failed") from None
         if isinstance(exc, ValueError):
-            raise invalid_request(f"The engine refused the request: {exc}") from None
+            raise invalid_request(f"The engine refused the request: {exc}", param=getattr(exc, "param", None)) from None
         raise
     plan.is_running = True  # from here on, finalize releases the adapter
     plan.finalized = gw.spawn(finalize(gw, gate, plan, gen, ticket))
@@ -231,10 +233,10 @@ async def finalize(gw: Gateway, gate: QuotaGate, plan: Plan, gen: Generation, ti
     await gw.quotas.settle(ticket, plan.num_prompt_tokens + num_completion)
     if any(c.error is not None for c in gen.choices):
         status = "error"
-    elif gen.is_cancelled:
-        status = "aborted"
+    elif gen.is_cancelled or any(c.finish_reason == "abort" for c in gen.choices):
+        status = "aborted"  # by the gateway: the client left, or shutdown's grace period ran out
     else:
-        status = "ok" if all(c.finish_reason in ("stop", "length") for c in gen.choices) else "error"
+        status = "ok"
     ttfts = [c.ttft_s for c in gen.choices if c.ttft_s is not None]
     latencies = [c.latency_s for c in gen.choices if c.latency_s is not None]
     caller = gate.caller
@@ -277,8 +279,10 @@ def engine_error(message: str = "The engine failed while generating this request
 
 def _raise_for_errors(gen: Generation) -> None:
     for c in gen.choices:
-        if c.error is not None or c.finish_reason == "abort":
+        if c.error is not None:
             raise engine_error()
+        if c.finish_reason == "abort":  # aborted by the gateway with no fault: shutdown's grace ran out
+            raise shutting_down()
 
 
 def usage_body(plan: Plan, gen: Generation) -> dict:
@@ -328,7 +332,7 @@ async def stream(plan: Plan, gen: Generation):
                 yield chunk(i, None, None, role=True)
         async for i, out in gen.events():
             if out.finish_reason == "abort":
-                yield _sse(engine_error().body())
+                yield _sse((engine_error() if out.error is not None else shutting_down()).body())
                 continue
             if out.delta_text:
                 yield chunk(i, out.delta_text, None)

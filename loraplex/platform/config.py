@@ -70,7 +70,7 @@ class Settings(BaseSettings):
     concurrency_lease_s: float = 600.0  # a crashed process's concurrency slots expire after this
     db_pool_size: int | None = Field(None, ge=1)  # None: sized for the gateway's worker threads (db.py)
 
-    shutdown_grace_s: float = Field(30.0, ge=0)  # SIGTERM: running requests get this long to finish
+    shutdown_grace_s: float = Field(25.0, ge=0)  # SIGTERM: running requests get this long to finish (serve.py)
 
     admin_key: SecretStr | None = None
     max_upload_bytes: int = Field(512 << 20, gt=0)

@@ -74,24 +74,19 @@ class EngineService:
         while self.num_running_by_adapter.get(name) or not await self.llm.call(unload):
             await asyncio.sleep(poll_s)
 
-    async def abort_all(self) -> None:
-        """Abort every request of the engine (shutdown after its grace period)."""
-        core = self.llm.engine
-        await self.llm.abort(*await self.llm.call(lambda: list(core.requests)))
+    async def abort_all(self) -> int:
+        """Abort every request of the engine (shutdown after its grace period); returns how many."""
+        return await self.llm.abort_all()
 
     def is_queue_full(self) -> bool:
-        """True when the engine's waiting queue cannot take even one more request, by its count or its
-        estimated wait (`Scheduler.has_room`): a cheap test from the event loop, racy by a step at most
-        (lengths and a scan of the running list, which the engine thread may change meanwhile), that lets
-        the gateway shed before it reads a body. The exact test is the engine's own, at submit."""
-        sched, cfg = self.llm.engine.scheduler, self.llm.engine.config
-        num_waiting = len(sched.waiting)
-        if num_waiting == 0:
+        """True when the engine's waiting queue cannot take even one more request (`Scheduler.has_room`
+        without its token bound): a cheap test from the event loop, racy by a step at most, that lets the
+        gateway shed before it reads a body. The exact test is the engine's own, at submit; this one fails
+        open."""
+        try:
+            return not self.llm.engine.scheduler.has_room(1, None)
+        except Exception:  # state changed under us: let the engine decide at submit
             return False
-        free = max(0, cfg.max_num_seqs - len(sched.running))
-        if num_waiting + 1 > cfg.max_num_waiting_seqs + free:
-            return True
-        return cfg.max_queue_wait_s is not None and sched.estimated_wait_s(1) > cfg.max_queue_wait_s
 
     # stats --------------------------------------------------------------------------------------
     async def stats(self) -> dict:

@@ -1,9 +1,10 @@
 """`loraplex serve`: migrations, first-start admin key, engine, then uvicorn on the gateway app.
 
-SIGTERM drains before it stops (what Kubernetes sends, then waits `terminationGracePeriodSeconds`): new
-requests get 503 `server_shutting_down` with retry-after and /health answers 503, running requests get
-`LORAPLEX_SHUTDOWN_GRACE_S` to finish, their usage is written, then the process exits 0. A second
-SIGTERM, or Ctrl+C, stops at once as plain uvicorn does.
+SIGTERM drains before it stops (what Kubernetes sends, then waits `terminationGracePeriodSeconds`, 30 s
+by default): new requests get 503 `server_shutting_down` with retry-after and /health answers 503,
+running requests get `LORAPLEX_SHUTDOWN_GRACE_S` (25 s, leaving time to write usage before a SIGKILL at
+30 s) to finish, their usage is written, then the process exits 0. A second SIGTERM or a Ctrl+C during
+the drain stops at once (usage not yet written is lost); a Ctrl+C otherwise shuts down as uvicorn does.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets=sockets)
 
     def handle_exit(self, sig: int, frame) -> None:
+        if self._is_draining:  # a second signal: stop now
+            self.force_exit = True
         if sig != signal.SIGTERM or self._is_draining or self._loop is None or not self.started:
             super().handle_exit(sig, frame)
             return

@@ -127,6 +127,12 @@ def test_a_full_waiting_queue_sheds_a_whole_call(model_path, tokenizer):
 def test_a_failing_forward_pass_ends_the_batch_and_the_engine_keeps_serving(model_path, tokenizer):
     async def main():
         llm = AsyncLLM(str(model_path), dtype="float32", max_loras=1, max_lora_rank=8, kv_cache_memory=32 << 20)
+        try:
+            await asyncio.wait_for(check(llm), timeout=120)
+        finally:
+            llm.shutdown()
+
+    async def check(llm):
         ids = chat_ids(tokenizer, "What is the capital of France?")
         greedy = SamplingParams(max_tokens=20, temperature=0)
         failures = []
@@ -145,6 +151,5 @@ def test_a_failing_forward_pass_ends_the_batch_and_the_engine_keeps_serving(mode
         outs = [o async for o in llm.generate(ids, greedy)]  # the engine serves the next request
         assert "".join(o.delta_text for o in outs) == "The capital of France is Paris."
         assert outs[-1].finish_reason == "stop" and outs[-1].error is None
-        llm.shutdown()
 
     asyncio.run(main())

@@ -236,3 +236,34 @@ def test_estimated_wait_is_the_running_requests_tokens_left_times_the_step_time(
     sched.add_request(req(4))  # 1 waiting: the queue is not empty, so the wait counts
     assert sched.has_room(0, 0)  # 9 x 0.11 s <= 2 s
     assert not sched.has_room(1, 4)  # the new one waits for b's place: 29 x 0.11 > 2 s
+
+
+def test_an_adapter_that_cannot_be_placed_ends_its_request_alone():
+    sched, bm = make(slots=2)
+    broken = req(4, adapter="broken")
+    ok, base = req(4, adapter="ok"), req(4)
+
+    def acquire(name, real=sched.adapters.acquire):
+        if name == "broken":
+            raise RuntimeError("no free or evictable pages")
+        return real(name)
+
+    sched.adapters.acquire = acquire
+    for r in (broken, ok, base):
+        sched.add_request(r)
+    out = run_step(sched)
+    assert out.aborted == [broken] and broken.finish_reason == "abort"
+    assert broken.error == "adapter 'broken' could not be placed in a slot: no free or evictable pages"
+    assert broken.block_table == [] and sched.adapters.failed["broken"].startswith("RuntimeError")
+    assert set(out.num_scheduled_tokens) == {ok.request_id, base.request_id}
+    assert bm.num_free_blocks + sum(len(r.block_table) for r in sched.running) == bm.num_blocks
+
+
+def test_places_blocked_by_the_kv_cache_are_not_room():
+    sched, _ = make(num_blocks=2, block_size=4, max_num_seqs=4, max_num_waiting_seqs=1, max_num_batched_tokens=64)
+    for _ in range(3):
+        sched.add_request(req(4))
+    run_step(sched)  # two take the two blocks; the third waits for KV, not for a place
+    assert len(sched.running) == 2 and len(sched.waiting) == 1 and sched.is_kv_limited
+    assert sched.num_free_places == 0
+    assert not sched.has_room(1, 4)  # 2 waiting > 1 + 0 free places (2 would be free by count)

@@ -33,9 +33,11 @@ def test_a_poisoned_request_ends_alone(make_tenant, engine_service, gateway):
     clean = eight_requests(b)
     engine = engine_service.llm.engine
     raised = threading.Event()
+    batch_sizes = []  # requests running when a's sampling failed: b's 8 and a's
 
     def poison(stage, req):  # tenant a's sampling fails, as a bad sampling value once did
         if stage == "sample" and req is not None and req.tenant_id == str(a.id):
+            batch_sizes.append(len(engine.scheduler.running))
             raised.set()
             raise OverflowError("injected: Overflow when unpacking long long")
 
@@ -54,7 +56,7 @@ def test_a_poisoned_request_ends_alone(make_tenant, engine_service, gateway):
         thread.join(timeout=120)
     finally:
         engine.inject_fault = None
-    assert raised.is_set()
+    assert raised.is_set() and set(batch_sizes) == {9}  # in the batch with b's 8 (the batch try, then its row)
     r = results["a"]
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     assert r.json()["error"] == {"message": "The engine failed while generating this request; try again.",

@@ -110,9 +110,9 @@ class QuotaGate:
     max_adapters: int | None
     max_adapter_bytes: int | None
 
-    async def admit(self, cost: int, request_id: str, num_sequences: int = 1) -> Ticket:
+    async def admit(self, cost: int, request_id: str, num_sequences: int = 1, sequences_param: str = "n") -> Ticket:
         return await self.gateway.quotas.admit(self.caller.tenant_id, self.limits, cost, request_id,
-                                               num_sequences)
+                                               num_sequences, sequences_param)
 
 
 def get_quota(gw: GatewayDep, caller: CurrentCaller, key: ApiKeyDep) -> QuotaGate:

@@ -93,13 +93,16 @@ class MemoryBackend:
         return fits, new_tat, new_tat - WINDOW_MS - now
 
     async def settle(self, keys: list[str], limits: Limits, request_id: str, refund: int,
-                     num_slots: int = 1) -> None:
-        """Release the request's concurrency slots and give back `refund` unused tokens."""
-        _, tk, cc, bg = keys
+                     num_slots: int = 1, refund_request: bool = False) -> None:
+        """Release the request's concurrency slots and give back `refund` unused tokens, and with
+        refund_request its unit of the requests-per-minute bucket (a request that never ran)."""
+        rq, tk, cc, bg = keys
         with self._lock:
             now = self.now_ms()
             for slot in slot_ids(request_id, num_slots):
                 self._leases.get(cc, {}).pop(slot, None)
+            if refund_request and limits.rpm and rq in self._tat:
+                self._tat[rq] = max(self._tat[rq] - WINDOW_MS / limits.rpm, now)
             if refund <= 0:
                 return
             if limits.tpm and tk in self._tat:

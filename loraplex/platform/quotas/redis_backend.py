@@ -78,23 +78,26 @@ return {allowed, reason, tostring(retry), tostring(rq_rem), tostring(rq_reset), 
         tostring(tk_reset), string.format('%d', used)}
 """
 
-# KEYS: tk cc bg. ARGV: tpm (-1: unlimited) request_id refund num_slots
+# KEYS: rq tk cc bg. ARGV: rpm tpm (-1: unlimited) request_id refund num_slots refund_request (0/1)
 SETTLE_LUA = """
-local tk, cc, bg = KEYS[1], KEYS[2], KEYS[3]
-local tpm, rid, refund, num_slots = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local rq, tk, cc, bg = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local rpm, tpm, rid, refund = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
+local num_slots, refund_request = tonumber(ARGV[5]), tonumber(ARGV[6])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 redis.call('ZREM', cc, rid)
 for i = 1, num_slots - 1 do redis.call('ZREM', cc, rid .. '#' .. i) end
-if refund <= 0 then return 1 end
-if tpm > 0 then
-  local v = redis.call('GET', tk)
+local function give_back(key, units, limit)
+  local v = redis.call('GET', key)
   if v then
-    local tat = math.max(tonumber(v) - refund * 60000.0 / tpm, now)
+    local tat = math.max(tonumber(v) - units * 60000.0 / limit, now)
     local ttl = math.ceil(tat - now)
-    if ttl > 0 then redis.call('SET', tk, string.format('%.3f', tat), 'PX', ttl) else redis.call('DEL', tk) end
+    if ttl > 0 then redis.call('SET', key, string.format('%.3f', tat), 'PX', ttl) else redis.call('DEL', key) end
   end
 end
+if refund_request > 0 and rpm > 0 then give_back(rq, 1, rpm) end
+if refund <= 0 then return 1 end
+if tpm > 0 then give_back(tk, refund, tpm) end
 local u = redis.call('GET', bg)
 if u then redis.call('SET', bg, string.format('%d', math.max(0, tonumber(u) - refund)), 'KEEPTTL') end
 return 1
@@ -134,9 +137,9 @@ class RedisBackend:
         )
 
     async def settle(self, keys: list[str], limits: Limits, request_id: str, refund: int,
-                     num_slots: int = 1) -> None:
-        _, tk, cc, bg = keys
-        await self._settle(keys=[tk, cc, bg], args=[_arg(limits.tpm), request_id, max(0, refund), num_slots])
+                     num_slots: int = 1, refund_request: bool = False) -> None:
+        await self._settle(keys=keys, args=[_arg(limits.rpm), _arg(limits.tpm), request_id, max(0, refund),
+                                            num_slots, int(refund_request)])
 
     async def peek(self, keys: list[str]) -> tuple[float, float | None, float | None, int]:
         """(now ms, request TAT, token TAT, requests in flight) on Redis's clock, changing nothing."""

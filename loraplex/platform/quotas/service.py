@@ -82,14 +82,14 @@ class QuotaService:
         self.degraded = False  # True while Redis is unreachable
 
     async def admit(self, tenant_id: int, limits: Limits, cost: int, request_id: str,
-                    num_sequences: int = 1) -> Ticket:
+                    num_sequences: int = 1, sequences_param: str = "n") -> Ticket:
         """Reserve `cost` tokens and `num_sequences` concurrency slots for `request_id`, or raise the
-        APIError to send."""
+        APIError to send (`sequences_param`: the field a call of too many sequences is blamed on)."""
         cc_limit = limits.max_concurrent_requests
         if cc_limit is not None and num_sequences > cc_limit:
             raise APIError(429, f"Request too large for concurrent requests: Limit {cc_limit}, Requested "
                            f"{num_sequences} sequences (n x prompts). Reduce n or the prompt list.",
-                           type="requests", code="rate_limit_exceeded", param="n")
+                           type="requests", code="rate_limit_exceeded", param=sequences_param)
         now = utcnow()
         period = budget_period(limits.budget_period, now)
         ks = keys(tenant_id, period)
@@ -121,11 +121,13 @@ class QuotaService:
             raise self._refusal(limits, cost, d, period)
         return Ticket(tenant_id, limits, request_id, cost, ks, backend, rate_limit_headers(limits, d), num_sequences)
 
-    async def settle(self, ticket: Ticket, num_tokens_used: int) -> None:
-        """Free the concurrency slot and refund the unused reservation. Never raises."""
+    async def settle(self, ticket: Ticket, num_tokens_used: int, *, ran: bool = True) -> None:
+        """Free the concurrency slots and refund the unused reservation; ran=False (the engine shed the call
+        or refused it before anything ran) also gives back its unit of the RPM bucket. Never raises."""
         refund = max(0, ticket.cost - num_tokens_used)
         try:
-            await ticket.backend.settle(ticket.keys, ticket.limits, ticket.request_id, refund, ticket.num_slots)
+            await ticket.backend.settle(ticket.keys, ticket.limits, ticket.request_id, refund, ticket.num_slots,
+                                        refund_request=not ran)
         except Exception as exc:  # a lost refund only under-admits until the lease / bucket catches up
             logger.warning("could not settle quota of request %s: %s", ticket.request_id, exc)
 

@@ -38,9 +38,10 @@ def run(make_backend, scenario):
     asyncio.run(main())
 
 
-async def admit(backend, ks, limits, cost=1, rid=None, seed=None, lease_ms=LEASE_MS):
+async def admit(backend, ks, limits, cost=1, rid=None, seed=None, lease_ms=LEASE_MS, num_slots=1):
     rid = rid or f"r{time.monotonic_ns()}"
-    return await backend.admit(ks, limits, cost, rid, lease_ms=lease_ms, budget_ttl_ms=TTL_MS, budget_seed=seed)
+    return await backend.admit(ks, limits, cost, rid, lease_ms=lease_ms, budget_ttl_ms=TTL_MS, budget_seed=seed,
+                               num_slots=num_slots)
 
 
 def test_requests_per_minute_admit_exactly_the_limit(make_backend):
@@ -92,6 +93,36 @@ def test_concurrency_slots_are_released_and_leases_expire(make_backend):
         assert not (await admit(b, ks, limits, rid="d")).allowed
         await asyncio.sleep(0.4)  # "b" was never settled (a crashed process): its lease runs out
         assert (await admit(b, ks, limits, rid="d")).allowed
+
+    run(make_backend, scenario)
+
+
+def test_a_fan_out_holds_a_slot_per_sequence_and_releases_them_together(make_backend):
+    async def scenario(b, ks):
+        limits = Limits(max_concurrent_requests=4)
+        assert (await admit(b, ks, limits, rid="a", num_slots=3)).allowed
+        refused = await admit(b, ks, limits, rid="b", num_slots=2)  # 3 + 2 > 4
+        assert not refused.allowed and refused.reason == "concurrency"
+        assert (await admit(b, ks, limits, rid="c")).allowed  # 3 + 1
+        assert (await b.peek(ks))[3] == 4
+        await b.settle(ks, limits, "a", refund=0, num_slots=3)
+        assert (await b.peek(ks))[3] == 1
+        assert (await admit(b, ks, limits, rid="b", num_slots=3)).allowed
+
+    run(make_backend, scenario)
+
+
+def test_a_request_that_never_ran_gives_back_its_rpm_unit(make_backend):
+    async def scenario(b, ks):
+        limits = Limits(rpm=2)
+        assert (await admit(b, ks, limits, rid="a")).allowed
+        assert (await admit(b, ks, limits, rid="b")).allowed
+        assert not (await admit(b, ks, limits)).allowed
+        await b.settle(ks, limits, "b", refund=0)  # ran: its unit stays spent
+        assert not (await admit(b, ks, limits)).allowed
+        await b.settle(ks, limits, "a", refund=0, refund_request=True)  # shed by the engine: given back
+        again = await admit(b, ks, limits)
+        assert again.allowed and again.remaining_requests == 0
 
     run(make_backend, scenario)
 

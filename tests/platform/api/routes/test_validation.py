@@ -157,6 +157,8 @@ def test_a_fan_out_holds_one_concurrency_slot_per_sequence(make_tenant):
                               "prompts). Reduce n or the prompt list.", "type": "requests", "param": "n",
                    "code": "rate_limit_exceeded"}
     assert t.chat(n=2).status_code == 200
+    r = t.client.post("/v1/completions", json={**COMPLETION, "prompt": ["a", "b", "c"]})
+    assert error_of(r, 429)["param"] == "prompt"  # n is 1: the prompt list is what is too large
 
 
 def test_a_fan_out_reserves_tokens_per_sequence(make_tenant, tokenizer):
