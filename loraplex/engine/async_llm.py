@@ -177,7 +177,7 @@ class AsyncLLM:
         for req in victims:
             req.error = error
         self._abort(*(r.request_id for r in victims))
-        for req in victims:  # streams of requests the engine no longer knows: end them too
+        for req in victims:  # a stream whose abort raised (logged above) ends too: no reader waits forever
             stream = self._streams.pop(req.request_id, None)
             if stream is not None:
                 out = RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,

@@ -83,18 +83,20 @@ class Scheduler:
         """Places in the batch the next step can admit into: none while admission waits for KV blocks."""
         return 0 if self.is_kv_limited else max(0, self.cfg.max_num_seqs - len(self.running))
 
-    def has_room(self, num_seqs: int, num_tokens: int | None) -> bool:
+    def has_room(self, num_seqs: int, num_tokens: int | None, num_ahead: int = 0) -> bool:
         """Whether `num_seqs` more requests with `num_tokens` tokens to prefill fit in the waiting queue's
-        bounds. The running batch's free places count as room (the next step admits into them), and an
-        empty queue takes anything, so a call larger than the bounds still runs when the engine is idle.
-        num_tokens None skips the token bound (its scan of the queue), which makes this safe to call from
-        another thread, as a hint: the gateway does, to shed before it reads a request."""
-        if not self.waiting:
+        bounds, behind `num_ahead` requests on their way to it (a server's, between its door and submit).
+        The running batch's free places count as room (the next step admits into them), and an empty queue
+        takes anything, so a call larger than the bounds still runs when the engine is idle. num_tokens
+        None skips the token bound (its scan of the queue), which makes this safe to call from another
+        thread, as a hint: the gateway does, to shed before it reads a request."""
+        if not self.waiting and not num_ahead:
             return True
         max_wait = self.cfg.max_queue_wait_s
-        return (len(self.waiting) + num_seqs <= self.cfg.max_num_waiting_seqs + self.num_free_places
+        num_new = num_ahead + num_seqs
+        return (len(self.waiting) + num_new <= self.cfg.max_num_waiting_seqs + self.num_free_places
                 and (num_tokens is None or self.num_waiting_tokens + num_tokens <= self.cfg.max_num_waiting_tokens)
-                and (max_wait is None or self.estimated_wait_s(num_seqs) <= max_wait))
+                and (max_wait is None or self.estimated_wait_s(num_new) <= max_wait))
 
     def estimated_wait_s(self, num_seqs: int) -> float:
         """Seconds until the last of `num_seqs` new requests, queued behind the waiting ones, gets a place

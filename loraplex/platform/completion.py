@@ -202,8 +202,11 @@ async def _run(request: Request, gw: Gateway, gate: QuotaGate, plan: Plan, param
         if plan.engine_adapter is not None:
             await gw.engine.ensure_adapter(plan.engine_adapter, plan.adapter_path)
         prompts = [p for p in plan.prompts for _ in range(body.n)]
-        gen = await Generation.start(gw.engine, prompts, params, plan.engine_adapter, plan.request_id,
-                                     caller.tenant_id)
+        try:
+            gen = await Generation.start(gw.engine, prompts, params, plan.engine_adapter, plan.request_id,
+                                         caller.tenant_id)
+        finally:
+            gw.engine.stop_admitting(request.scope.setdefault("state", {}))
     except BaseException as exc:  # nothing ran: the reservation, the slots and the RPM unit go back
         gw.spawn(gw.quotas.settle(ticket, 0, ran=False))
         if isinstance(exc, EngineOverloadedError):

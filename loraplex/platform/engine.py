@@ -37,6 +37,7 @@ class EngineService:
         self.max_model_len = core.model_config.max_model_len
         self.kv_capacity_tokens = core.block_manager.num_blocks * core.block_manager.block_size
         self.num_running_by_adapter: Counter[str] = Counter()
+        self.num_admitting = 0  # requests between the door and submit (event loop only)
 
     # adapters -----------------------------------------------------------------------------------
     async def ensure_adapter(self, name: str, path: str) -> None:
@@ -79,14 +80,25 @@ class EngineService:
         return await self.llm.abort_all()
 
     def is_queue_full(self) -> bool:
-        """True when the engine's waiting queue cannot take even one more request (`Scheduler.has_room`
-        without its token bound): a cheap test from the event loop, racy by a step at most, that lets the
-        gateway shed before it reads a body. The exact test is the engine's own, at submit; this one fails
-        open."""
+        """True when the engine's waiting queue cannot take one more request behind the ones admitted at
+        the door and not yet submitted (`Scheduler.has_room` without its token bound): a cheap test from
+        the event loop, racy by a step at most, that lets the gateway shed before it reads a body. The
+        exact test is the engine's own, at submit; this one fails open."""
         try:
-            return not self.llm.engine.scheduler.has_room(1, None)
+            return not self.llm.engine.scheduler.has_room(1, None, self.num_admitting)
         except Exception:  # state changed under us: let the engine decide at submit
             return False
+
+    def start_admitting(self, state: dict) -> None:
+        """A request passed the door (`ShedMiddleware`); until `stop_admitting` it counts as waiting, so a
+        burst that arrives before any of it reaches the engine is shed at the door too."""
+        state["admitting"] = True
+        self.num_admitting += 1
+
+    def stop_admitting(self, state: dict) -> None:
+        """The request reached the engine, was refused, or ended (idempotent)."""
+        if state.pop("admitting", False):
+            self.num_admitting -= 1
 
     # stats --------------------------------------------------------------------------------------
     async def stats(self) -> dict:

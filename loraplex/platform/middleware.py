@@ -2,7 +2,8 @@
 
 `ShedMiddleware`: while the gateway shuts down or the engine's queue is full, a generation request is
 answered 503 before its body is read, authenticated or tokenized (Envoy and Kong shed at the edge the
-same way). Shedding must cost far less than serving: parsing, authenticating and tokenizing each refused
+same way). Requests it lets through count as waiting until they reach the engine, so a burst on an idle
+server is shed at the door beyond what the queue takes, not after each one is parsed and tokenized. Shedding must cost far less than serving: parsing, authenticating and tokenizing each refused
 request took enough of a 2-core machine to halve the engine's throughput under 4x overload
 (docs/reliability.md). The exact check (tokens, the whole call) stays the engine's, at submit.
 
@@ -42,6 +43,14 @@ class ShedMiddleware:
                 error = engine_overloaded()
             if error is not None:
                 await error.response()(scope, receive, send)
+                return
+            if gw is not None:
+                state = scope.setdefault("state", {})
+                gw.engine.start_admitting(state)
+                try:
+                    await self.app(scope, receive, send)
+                finally:
+                    gw.engine.stop_admitting(state)
                 return
         await self.app(scope, receive, send)
 

@@ -267,3 +267,9 @@ def test_places_blocked_by_the_kv_cache_are_not_room():
     assert len(sched.running) == 2 and len(sched.waiting) == 1 and sched.is_kv_limited
     assert sched.num_free_places == 0
     assert not sched.has_room(1, 4)  # 2 waiting > 1 + 0 free places (2 would be free by count)
+
+
+def test_requests_on_their_way_count_as_waiting():
+    sched, _ = make(max_num_seqs=2, max_num_waiting_seqs=2)
+    assert sched.has_room(1, None, num_ahead=3)  # 2 free places + 2 waiting places hold 3 + 1
+    assert not sched.has_room(1, None, num_ahead=4)  # an idle engine sheds a burst beyond them

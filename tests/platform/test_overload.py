@@ -82,14 +82,16 @@ def assert_usage_matches(db_url: str, outcomes) -> None:
 
 def test_four_times_capacity_is_shed_never_a_500(serve):
     proc = serve()
-    keys = tenants(proc, 2, max_concurrent_requests=24)  # 48 admitted by quotas, 32 by the engine
+    # one tenant held to 8 requests at a time (429s), one without limits that fills the engine with the
+    # other's 8 (503s: 16 running and 16 waiting)
+    keys = tenants(proc, 1, max_concurrent_requests=8) | tenants(proc, 1)
     spec = LoadSpec(model=factories.BASE_MODEL, max_tokens=(8, 48))
     outcomes = asyncio.run(closed_loop(proc.url, keys, spec, num_clients=4 * MAX_NUM_SEQS, duration_s=15))
     s = summarize(outcomes, 15)
     assert s.num_undesigned == 0, s.undesigned
     assert set(s.statuses) <= {200, 429, 503}
     assert s.statuses.get(200, 0) >= 10 and s.statuses.get(503, 0) >= 10 and s.statuses.get(429, 0) >= 10, s
-    assert s.max_refusal_latency_s < 5.0, s  # a refusal is fast, never a hang
+    assert s.max_refusal_latency_s < 5.0, s  # a refusal is fast, never a hang (about 0.1 s here)
     shed = [o for o in outcomes if o.status == 503]
     assert {(o.error_type, o.error_code) for o in shed} == {("server_overloaded", "server_overloaded")}
     assert {o.error_code for o in outcomes if o.status == 429} == {"rate_limit_exceeded"}
