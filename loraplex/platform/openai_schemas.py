@@ -28,6 +28,14 @@ from loraplex.engine.sampling_params import (
 # Fields of OpenAI's API that loraplex refuses unless they hold their neutral value (what leaving them
 # out means), with that value.
 UNSUPPORTED_SAMPLING = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}}
+
+# Optional fields whose range `SamplingParams` checks; None (left out) takes the engine's default.
+_RANGE_CHECKS = {
+    "max_tokens": check_max_tokens,
+    "temperature": check_temperature,
+    "top_p": check_top_p,
+    "seed": check_seed,
+}
 UNSUPPORTED_CHAT = {"logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none", "functions": [],
                     "function_call": "none", "audio": None, "prediction": None}
 UNSUPPORTED_COMPLETION = {"echo": False, "logprobs": 0, "suffix": ""}
@@ -89,31 +97,16 @@ class SamplingFields(BaseModel):
     presence_penalty: float | None = None
     logit_bias: dict | None = None
 
-    @field_validator("max_tokens")
+    @field_validator(*_RANGE_CHECKS)
     @classmethod
-    def _max_tokens(cls, v):
-        return v if v is None else check_max_tokens(v)
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v):
-        return v if v is None else check_temperature(v)
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v):
-        return v if v is None else check_top_p(v)
+    def _in_range(cls, v, info: ValidationInfo):
+        return v if v is None else _RANGE_CHECKS[info.field_name](v)
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
         check_stop(v)
         return v
-
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, v):
-        return check_seed(v)
 
     @field_validator("stream_options")
     @classmethod
