@@ -38,7 +38,8 @@ import itertools
 import logging
 import time
 from collections import OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -49,6 +50,8 @@ from loraplex.engine.config import LORA_FUSED_GROUPS, LORA_PAGE_ROWS, EngineConf
 from loraplex.kernels import LoRAStack, LoRAWeights
 
 logger = logging.getLogger(__name__)
+
+PREFETCH_LOOKAHEAD = 32  # waiting requests whose adapters are prefetched
 
 
 class AdapterInUseError(RuntimeError):
@@ -166,6 +169,43 @@ class AdapterManager:
     def __contains__(self, name: str) -> bool:
         return name in self.registry
 
+    # the scheduler's per-step hand-over ------------------------------------------------------------------
+    def step(self, waiting: Sequence[str | None], num_examined: int | None) -> dict[str, str]:
+        """Once per scheduler step, after admission (`Scheduler.schedule`): take in finished disk loads,
+        keep, move or end the reservation, prefetch, and return the adapters whose load failed.
+
+        waiting: the adapters of the waiting requests in queue order; admission looked at the first
+        `num_examined` and left them there (None: admission did not run, the reservation stands). The
+        oldest of those that cannot get pages and is not draining (`blocked`) is the one `make_room_for`
+        reserves for; when admission stopped (full batch, no token budget, no KV blocks) before it reached
+        the adapter the run is reserved for, the reservation stays, or its owners would take new requests at
+        the next free place and the drain would start over (starving a large adapter).
+        """
+        self.poll()
+        if num_examined is not None:
+            head = waiting[:num_examined]
+            blocked = next((a for a in head if a is not None and a not in self.failed and a not in self.draining
+                            and not self.can_acquire(a)), None)
+            reserved = self.reserved
+            if blocked is None and reserved is not None and reserved[0] not in head and reserved[0] in waiting:
+                blocked = reserved[0]
+            self.make_room_for(blocked)
+        wanted: set[str] = set()
+        for name in itertools.islice(waiting, PREFETCH_LOOKAHEAD):
+            if name is not None and name not in wanted:
+                self.prefetch(name, keep=wanted)
+                wanted.add(name)
+        return self.failed
+
+    def forget_failure(self, name: str) -> None:
+        """Let the next prefetch of `name` try its load again."""
+        self.failed.pop(name, None)
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Sleep until a disk load in flight ends, at most `timeout` seconds; at once if none is."""
+        if self.loading:
+            wait([f for f, _ in self.loading.values()], timeout=timeout, return_when=FIRST_COMPLETED)
+
     # disk -> CPU ------------------------------------------------------------------------------------
     def poll(self) -> None:
         """Move finished background loads into the CPU tier (engine thread, start of each step)."""
@@ -180,6 +220,8 @@ class AdapterManager:
             except Exception as exc:  # files changed or vanished since registration
                 logger.error("loading adapter %r failed: %s", name, exc)
                 self.failed[name] = str(exc)
+                if self.reserved is not None and self.reserved[0] == name:
+                    self._reserve(None)
                 continue
             self.stats["cpu"]["load_s"].append(seconds)
             self.cpu[name] = adapter
@@ -330,7 +372,11 @@ class AdapterManager:
             self.stats["gpu"]["misses"] += 1
             self.stats["cpu"]["hits"] += 1
             self.cpu.move_to_end(name)
-            self._place(name)
+            try:
+                self._place(name)
+            except Exception as exc:  # the scheduler ends this request; the other requests for it end too
+                self.failed[name] = f"{type(exc).__name__}: {exc}"
+                raise
             if self.reserved is not None and self.reserved[0] == name:
                 self._reserve(None)
         self.refcount[name] = self.refcount.get(name, 0) + 1

@@ -43,9 +43,6 @@ class BlockManager:
         needed = cdiv(req.num_computed_tokens + num_new_tokens, self.block_size)
         return max(0, needed - len(req.block_table))
 
-    def can_allocate(self, req: Request, num_new_tokens: int) -> bool:
-        return self.num_blocks_needed(req, num_new_tokens) <= self.num_free_blocks
-
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
         """Grow `req.block_table` for `num_new_tokens` more tokens; False (nothing taken) if short."""
         n = self.num_blocks_needed(req, num_new_tokens)

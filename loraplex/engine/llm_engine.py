@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, wait
 from pathlib import Path
 
 import torch
@@ -119,7 +118,8 @@ class LLMEngine:
                 linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
                 for linear, group in zip(linears, LORA_FUSED_GROUPS, strict=True):
                     attach_fused_shrink(linear, [buffers[m] for m in group])
-        self.scheduler = Scheduler(self.config, self.block_manager, self.adapters)
+        self.scheduler = Scheduler(self.config, self.block_manager, self.adapters, self.eos_token_ids,
+                                   self.model_config.max_model_len)
         self.runner = ModelRunner(self.model, self.block_manager, self.dtype, self.device)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -164,7 +164,7 @@ class LLMEngine:
                 f"{cfg.max_num_waiting_seqs} beyond free places, {cfg.max_num_waiting_tokens} tokens, "
                 f"{cfg.max_queue_wait_s} s)")
         if adapter is not None:
-            self.adapters.failed.pop(adapter, None)  # a new request retries a load that failed before
+            self.adapters.forget_failure(adapter)  # a new request retries a load that failed before
         for req in reqs:
             self.requests[req.request_id] = req
             self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.sampling_params.stop)
@@ -220,9 +220,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, update. Returns a delta for every request that produced a token or finished."""
         sched = self.scheduler.schedule()
-        if sched.is_empty and self.adapters.loading:
-            # Everything runnable waits on adapter loads: sleep until one lands instead of spinning.
-            wait([f for f, _ in self.adapters.loading.values()], timeout=0.1, return_when=FIRST_COMPLETED)
+        if sched.is_empty:
+            self.adapters.wait_for_loads(timeout=0.1)  # all that can run waits on adapter loads: no spinning
         result = StepResult()
         if not sched.is_empty:
             started = time.perf_counter()
@@ -237,34 +236,28 @@ class LLMEngine:
         return self._update(sched, result)
 
     def _update(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
-        now = time.monotonic()
+        before_update = None if self.inject_fault is None else (lambda r: self.inject_fault("update", r))
+        update = self.scheduler.update_from_output(sched, result.tokens, result.errors, before_update)
         outputs = []
         for req in sched.aborted:
             try:
                 outputs.append(self._output(req, []))
             except Exception as exc:
                 outputs.append(self._fail(req, exc))
-        for req in sched.requests:
-            rid = req.request_id
-            req.num_computed_tokens += sched.num_scheduled_tokens[rid]
-            token = result.tokens.get(rid)
-            if token is None and rid not in result.errors:
-                continue
+        self.num_generated_tokens += len(update.new_tokens)
+        for req, token in update.new_tokens:
             try:
-                if rid in result.errors:
-                    raise result.errors[rid]
-                if self.inject_fault is not None:
-                    self.inject_fault("update", req)
-                req.output_token_ids.append(token)
-                self.num_generated_tokens += 1
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                status = self._check_stop(req, token)
-                if status is not None:
-                    self.scheduler.finish(req, status)
+                # A stop token is not detokenized; a stop string wins over length on the same token.
+                if (req.status != RequestStatus.FINISHED_STOPPED and self.tokenizer is not None
+                        and self.detokenizers[req.request_id].add_token(token)):
+                    if req.is_finished:
+                        req.status = RequestStatus.FINISHED_STOPPED
+                    else:
+                        self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
                 outputs.append(self._output(req, [token]))
             except Exception as exc:
                 outputs.append(self._fail(req, exc))
+        outputs.extend(self._fail(req, exc) for req, exc in update.failed)
         return outputs
 
     def _fail(self, req: Request, exc: Exception) -> RequestOutput:
@@ -280,17 +273,6 @@ class LLMEngine:
         return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                              token_ids=list(req.output_token_ids), text=detok.text if detok else "",
                              finish_reason=req.finish_reason, adapter=req.adapter, error=req.error)
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        params = req.sampling_params
-        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
-            req.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if self.tokenizer is not None and self.detokenizers[req.request_id].add_token(token):
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.model_config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
         detok = self.detokenizers[req.request_id]

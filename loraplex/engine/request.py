@@ -55,7 +55,6 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
-    stop_reason: int | str | None = None
     num_preemptions: int = 0
     seed: int = 0
     error: str | None = None  # why the engine ended it early (status FINISHED_ABORTED), for the caller

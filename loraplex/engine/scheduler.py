@@ -9,8 +9,14 @@ token budget is left. Per step:
    A request whose adapter cannot get a slot this step, or is still loading from disk, is skipped
    (vLLM's `max_loras` rule) and does not block the requests behind it; one that does not fit in the
    KV cache stops admission;
-3. adapters of waiting requests are prefetched from disk in arrival order (see AdapterManager for
-   the policy that keeps a cold adapter from starving).
+3. the adapter manager is handed the waiting queue's adapters (`AdapterManager.step`): it prefetches
+   them from disk in arrival order, reserves pages for the oldest one that cannot get any (the policy
+   that keeps a cold adapter from starving) and names the adapters whose load failed, whose waiting
+   requests end here.
+After the forward pass, `update_from_output` appends each sampled token, applies the stop rules of
+`check_stop` and frees what finished requests hold (vLLM v1's split: the engine only calls the two).
+The scheduler sees the adapter manager through four methods only (`can_acquire`, `acquire`, `release`,
+`step`), the allocator verbs of the KV block manager plus the per-step hand-over.
 
 A server asks `has_room` before it queues a call: the waiting queue is bounded in requests, in tokens
 still to prefill (`EngineConfig.max_num_waiting_*`) and in the estimated wait for a place in the batch
@@ -22,21 +28,52 @@ that only decode, which the engine feeds; a prefill chunk's step says little abo
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from loraplex.adapters.manager import AdapterManager
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
-PREFETCH_LOOKAHEAD = 32  # waiting requests whose adapters are prefetched
 STEP_TIME_DECAY = 0.9  # weight of the old value in the step time's exponential average
+
+
+class AdapterSlots(Protocol):
+    """What the scheduler needs of the adapter manager (`loraplex.adapters.AdapterManager`)."""
+
+    def can_acquire(self, name: str) -> bool:
+        """Whether a request for adapter `name` can be admitted now (a slot for it is free or evictable)."""
+
+    def acquire(self, name: str) -> int | None:
+        """Pin `name` in a slot and return its virtual slot; None if `can_acquire` says no. May raise
+        if placing it fails (that request alone ends)."""
+
+    def release(self, name: str) -> None:
+        """Unpin one use of `name`."""
+
+    def step(self, waiting: Sequence[str | None], num_examined: int | None) -> dict[str, str]:
+        """Once per step, after admission: the adapters of the waiting requests in queue order, of which
+        admission looked at the first `num_examined` (None: admission did not run this step). Returns
+        the adapters whose load failed, with the reason."""
+
+
+def check_stop(req: Request, token: int, eos_token_ids: Collection[int], max_model_len: int) -> RequestStatus | None:
+    """The finished status `req` takes after appending `token`, or None to go on: a stop token (or EOS
+    unless `ignore_eos`) stops; `max_tokens` or the model's context ends it by length. Stop strings need
+    the text and are the engine's (its detokenizer), checked after this; vLLM's `check_stop` in the same
+    place."""
+    params = req.sampling_params
+    if token in params.stop_token_ids or (token in eos_token_ids and not params.ignore_eos):
+        return RequestStatus.FINISHED_STOPPED
+    if req.num_output_tokens >= params.max_tokens or req.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None
 
 
 @dataclass
@@ -49,21 +86,31 @@ class SchedulerOutput:
     aborted: list[Request] = field(default_factory=list)  # e.g. their adapter failed to load
 
     @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
-
-    @property
     def is_empty(self) -> bool:
         return not self.requests
 
 
-class Scheduler:
-    """Holds the waiting and running queues; the engine calls `schedule`, then `update_from_output`."""
+@dataclass
+class StepUpdate:
+    """What `update_from_output` did: the requests that got a token, in row order with it, and those whose
+    update raised (each to be ended alone with its exception)."""
 
-    def __init__(self, cfg: EngineConfig, block_manager: BlockManager, adapters: AdapterManager):
+    new_tokens: list[tuple[Request, int]] = field(default_factory=list)
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)
+
+
+class Scheduler:
+    """Holds the waiting and running queues; the engine calls `schedule`, then `update_from_output`.
+
+    eos_token_ids and max_model_len are the model's, for the stop rules (`check_stop`)."""
+
+    def __init__(self, cfg: EngineConfig, block_manager: BlockManager, adapters: AdapterSlots,
+                 eos_token_ids: Collection[int] = (), max_model_len: int | None = None):
         self.cfg = cfg
         self.block_manager = block_manager
         self.adapters = adapters
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len if max_model_len is not None else cfg.max_model_len or 1 << 62
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -125,7 +172,6 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        self.adapters.poll()
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         for req in list(self.running):
@@ -145,34 +191,29 @@ class Scheduler:
             out.requests.append(req)
             out.num_scheduled_tokens[req.request_id] = num_new
             budget -= num_new
+        num_examined = None
         if not (out.preempted or (self.cfg.static_batching and self.running)):
-            self._admit(out, budget)
-        elif not self.running:
-            self.adapters.make_room_for(None)
-        self._prefetch()
+            num_examined = self._admit(out, budget)
+        failed = self.adapters.step([r.adapter for r in self.waiting], num_examined)
+        if failed:
+            for req in [r for r in self.waiting if r.adapter in failed]:
+                req.error = f"adapter {req.adapter!r} could not be loaded: {failed[req.adapter]}"
+                self.finish(req, RequestStatus.FINISHED_ABORTED)
+                out.aborted.append(req)
         return out
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting requests in arrival order into `out`; returns how many requests at the head of
+        the queue it looked at and left there (skipped for their adapter, or stopped at for KV blocks)."""
         # Static batching (a benchmark baseline) admits a whole batch at once, even requests whose
         # prefill must wait for a later step's token budget.
         skipped: list[Request] = []
         self.is_kv_limited = False
-        blocked: str | None = None  # adapter of the oldest request waiting for a slot
-        examined: set[str | None] = set()  # adapters of the requests looked at this step
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             if budget == 0 and not self.cfg.static_batching:
                 break
             req = self.waiting[0]
-            examined.add(req.adapter)
-            if req.adapter is not None and req.adapter in self.adapters.failed:
-                self.waiting.popleft()
-                req.error = f"adapter {req.adapter!r} could not be loaded: {self.adapters.failed[req.adapter]}"
-                self.finish(req, RequestStatus.FINISHED_ABORTED)
-                out.aborted.append(req)
-                continue
             if req.adapter is not None and not self.adapters.can_acquire(req.adapter):
-                if blocked is None and req.adapter not in self.adapters.draining:
-                    blocked = req.adapter
                 skipped.append(self.waiting.popleft())
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -185,7 +226,6 @@ class Scheduler:
                     req.lora_slot = self.adapters.acquire(req.adapter)
                 except Exception as exc:  # placing this adapter failed: its requests end, the batch goes on
                     logger.exception("adapter %r could not be placed in a slot", req.adapter)
-                    self.adapters.failed[req.adapter] = f"{type(exc).__name__}: {exc}"
                     req.error = f"adapter {req.adapter!r} could not be placed in a slot: {exc}"
                     self.finish(req, RequestStatus.FINISHED_ABORTED)
                     out.aborted.append(req)
@@ -197,22 +237,37 @@ class Scheduler:
                 out.num_scheduled_tokens[req.request_id] = num_new
                 budget -= num_new
         self.waiting.extendleft(reversed(skipped))
-        reserved = self.adapters.reserved
-        if (blocked is None and reserved is not None and reserved[0] not in examined
-                and any(r.adapter == reserved[0] for r in self.waiting)):
-            # The loop stopped (full batch, no token budget, no KV blocks) before it reached the request
-            # the run is reserved for: keep the reservation, or its owners would take new requests at
-            # the next free place and the drain would start over (starving a large adapter).
-            blocked = reserved[0]
-        self.adapters.make_room_for(blocked)
+        return len(skipped) + self.is_kv_limited
 
-    def _prefetch(self) -> None:
-        """Start disk loads for the adapters of waiting requests, in arrival order."""
-        wanted: set[str] = set()
-        for req in itertools.islice(self.waiting, PREFETCH_LOOKAHEAD):
-            if req.adapter is not None and req.adapter not in wanted:
-                self.adapters.prefetch(req.adapter, keep=wanted)
-                wanted.add(req.adapter)
+    def update_from_output(self, sched: SchedulerOutput, tokens: dict[str, int], errors: dict[str, Exception],
+                           before_update: Callable[[Request], None] | None = None) -> StepUpdate:
+        """After the forward pass of `sched`: count the computed tokens, append each request's sampled token
+        (`tokens` by request id), finish the requests `check_stop` ends (their KV blocks and adapter pin
+        are freed now). A request in `errors` (its sampling raised), or whose update raises (including
+        `before_update(req)`, a test hook), is returned in `failed` and left for the caller to end."""
+        update = StepUpdate()
+        now = time.monotonic()
+        for req in sched.requests:
+            rid = req.request_id
+            req.num_computed_tokens += sched.num_scheduled_tokens[rid]
+            token = tokens.get(rid)
+            if token is None and rid not in errors:
+                continue  # a prefill chunk short of the prompt's end
+            try:
+                if rid in errors:
+                    raise errors[rid]
+                if before_update is not None:
+                    before_update(req)
+                req.output_token_ids.append(token)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                status = check_stop(req, token, self.eos_token_ids, self.max_model_len)
+                if status is not None:
+                    self.finish(req, status)
+                update.new_tokens.append((req, token))
+            except Exception as exc:
+                update.failed.append((req, exc))
+        return update
 
     def _preempt(self, req: Request) -> None:
         """Free everything `req` holds; it goes back to the front of the queue and is recomputed."""

@@ -11,24 +11,19 @@ from loraplex.engine.scheduler import Scheduler
 
 
 class FakeAdapters:
-    """Slot accounting only: `num_slots` slots, LRU of unpinned residents (as AdapterManager)."""
+    """Slot accounting only: `num_slots` slots, LRU of unpinned residents (as AdapterManager); the four
+    methods the scheduler calls (`AdapterSlots`). `failed` is what `step` reports."""
 
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
         self.resident: list[str] = []
         self.refcount: dict[str, int] = {}
         self.failed: dict[str, str] = {}
-        self.draining: set[str] = set()
-        self.reserved: tuple[str, int, int] | None = None  # never reserves
+        self.steps: list[tuple[list, int | None]] = []
 
-    def poll(self):
-        pass
-
-    def prefetch(self, name, keep=frozenset()):
-        return True
-
-    def make_room_for(self, name):
-        pass
+    def step(self, waiting, num_examined):
+        self.steps.append((list(waiting), num_examined))
+        return self.failed
 
     def can_acquire(self, name):
         return name in self.resident or len(self.resident) < self.num_slots or any(
@@ -254,7 +249,7 @@ def test_an_adapter_that_cannot_be_placed_ends_its_request_alone():
     out = run_step(sched)
     assert out.aborted == [broken] and broken.finish_reason == "abort"
     assert broken.error == "adapter 'broken' could not be placed in a slot: no free or evictable pages"
-    assert broken.block_table == [] and sched.adapters.failed["broken"].startswith("RuntimeError")
+    assert broken.block_table == []
     assert set(out.num_scheduled_tokens) == {ok.request_id, base.request_id}
     assert bm.num_free_blocks + sum(len(r.block_table) for r in sched.running) == bm.num_blocks
 
