@@ -27,7 +27,15 @@ def _row_seed(seed: int, index: int) -> int:
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """logits: [B, V] fp32, row i for requests[i] -> one token id per row."""
+    """logits: [B, V] fp32, row i for requests[i] -> one token id per row.
+
+    Raises ValueError when a row's logits are not all finite (NaN or Inf, e.g. from an adapter with
+    overflowing weights): no token can be drawn from them, and the request must not get an arbitrary one.
+    """
+    if not torch.isfinite(logits).all():
+        bad = (~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist()
+        raise ValueError(f"the model produced non-finite logits (NaN or Inf) in {len(bad)} of {len(requests)} row(s); "
+                         "the request's adapter may have weights too large for the model's dtype")
     tokens = logits.argmax(dim=-1).tolist()
     rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
     if not rows:

@@ -72,6 +72,17 @@ def check_seed(v) -> int | None:
     return v
 
 
+def check_text(text: str, param: str) -> str:
+    """`text` if it is valid Unicode; a lone UTF-16 surrogate (JSON's "\\ud800", which Python's JSON parser
+    reads) cannot be encoded or tokenized: ParamError naming `param`."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ParamError(param, f"{param} contains a lone UTF-16 surrogate ({text[exc.start]!r} at index "
+                                f"{exc.start}), which is not valid Unicode") from None
+    return text
+
+
 def check_stop(v) -> list[str]:
     """None, one string or a list of strings -> the non-empty stop strings."""
     stops = [v] if isinstance(v, str) else v
@@ -82,6 +93,7 @@ def check_stop(v) -> list[str]:
     if len(stops) > MAX_NUM_STOP:
         raise ParamError("stop", f"stop takes at most {MAX_NUM_STOP} strings, got {len(stops)}")
     for s in stops:
+        check_text(s, "stop")
         if len(s) > MAX_STOP_LENGTH:
             raise ParamError("stop", f"each stop string has at most {MAX_STOP_LENGTH} characters, got one of "
                                      f"{len(s)}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -94,8 +95,20 @@ def _retry_after(seconds: float) -> dict[str, str]:
     return {"retry-after": str(max(1, math.ceil(seconds)))}
 
 
+# pydantic's tags for the member of a union a value was tried against ("str", "list[int]", "TextPart",
+# "function-after[...]"): they end the field's path, they are not part of it.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\]|[A-Z]\w*)$")
+
+
 def _param(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    """The field a validation error is about, as a dotted path ("messages.0.content")."""
+    parts = []
+    for p in loc:
+        if p in ("body", "query", "path", "header") and not parts:
+            continue
+        if isinstance(p, str) and _UNION_TAG.match(p):
+            break
+        parts.append(str(p))
     return ".".join(parts) or None
 
 

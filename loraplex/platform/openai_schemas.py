@@ -15,13 +15,23 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+)
 
 from loraplex.engine.sampling_params import (
     check_max_tokens,
     check_seed,
     check_stop,
     check_temperature,
+    check_text,
     check_top_p,
 )
 
@@ -59,6 +69,11 @@ class TextPart(BaseModel):
     type: Literal["text"]
     text: str
 
+    @field_validator("text")
+    @classmethod
+    def _text(cls, v):
+        return check_text(v, "messages")
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -66,6 +81,11 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v):
+        return check_text(v, "messages") if isinstance(v, str) else v
 
     def as_template_message(self) -> dict:
         if isinstance(self.content, list):
@@ -81,16 +101,16 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1)
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = Field(None, description="vLLM extension: -1 or 0 keep every token, else 1..vocab size")
-    ignore_eos: bool = Field(False, description="vLLM extension: EOS does not stop, generate max_tokens")
-    n: int = Field(1, description="choices per prompt, 1..LORAPLEX_MAX_N")
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = Field(None, description="vLLM extension: -1 or 0 keep every token, else 1..vocab size")
+    ignore_eos: StrictBool = Field(False, description="vLLM extension: EOS does not stop, generate max_tokens")
+    n: StrictInt | None = Field(1, description="choices per prompt, 1..LORAPLEX_MAX_N (null: 1)")
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(None, description="vLLM extension: token ids that end a choice")
-    seed: int | None = None
-    stream: bool = False
+    stop_token_ids: list[StrictInt] | None = Field(None, description="vLLM extension: token ids that end a choice")
+    seed: StrictInt | None = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     frequency_penalty: float | None = None
@@ -101,6 +121,11 @@ class SamplingFields(BaseModel):
     @classmethod
     def _in_range(cls, v, info: ValidationInfo):
         return v if v is None else _RANGE_CHECKS[info.field_name](v)
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v):
+        return 1 if v is None else v
 
     @field_validator("stop")
     @classmethod
@@ -123,7 +148,7 @@ class SamplingFields(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: StrictInt | None = None
     response_format: dict | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -154,7 +179,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
@@ -165,6 +190,9 @@ class CompletionRequest(SamplingFields):
     def _prompt(cls, v):
         if isinstance(v, list) and (not v or any(isinstance(p, list) and not p for p in v)):
             raise ValueError("the prompt is empty")
+        for text in [v] if isinstance(v, str) else v:
+            if isinstance(text, str):
+                check_text(text, "prompt")
         return v
 
     @field_validator(*UNSUPPORTED_COMPLETION)

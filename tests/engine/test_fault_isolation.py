@@ -153,3 +153,23 @@ def test_a_failing_forward_pass_ends_the_batch_and_the_engine_keeps_serving(mode
         assert outs[-1].finish_reason == "stop" and outs[-1].error is None
 
     asyncio.run(main())
+
+
+def test_an_adapter_whose_weights_overflow_ends_its_requests_alone(engine, tokenizer, tmp_path):
+    """Finite weights so large that the forward overflows (upload takes them: they are finite) give NaN
+    logits on that adapter's rows only: those requests end with the reason, the other rows keep their tokens."""
+    rows = batch_of_eight(tokenizer)[::2]  # base rows only: the fixture's two slots hold b's adapter and this one
+    clean = run(engine, rows)
+    write_random_adapter(tmp_path / "huge", engine.model_config, r=8, alpha=8e6, seed=5, b_std=1e37)
+    engine.adapters.register("huge", tmp_path / "huge")
+    try:
+        engine.add_request(chat_ids(tokenizer, "Hello there"), SamplingParams(max_tokens=6, temperature=0),
+                           "huge", request_id="poison-huge")
+        mixed = run(engine, rows)
+    finally:
+        engine.adapters.unregister("huge")
+    bad = mixed.pop("poison-huge")
+    assert bad.finish_reason == "abort" and bad.token_ids == []
+    assert bad.error.startswith("ValueError: the model produced non-finite logits (NaN or Inf) in 1 of 1 row(s)")
+    assert {rid: o.token_ids for rid, o in mixed.items()} == {rid: o.token_ids for rid, o in clean.items()}
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks and not engine.requests

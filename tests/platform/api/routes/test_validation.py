@@ -51,6 +51,15 @@ def error_of(r, status: int = 400) -> dict:
     ({"response_format": {"type": "json_object"}}, "response_format",
      "`response_format` of type 'json_object' is not supported by loraplex (only {\"type\": \"text\"})"),
     ({"max_tokens": 100_000}, "max_tokens", None),  # context: see test_chat
+    # types are strict, as OpenAI's: no string or boolean stands in for a number, no number for a boolean
+    ({"temperature": "1"}, "temperature", "temperature: Input should be a valid number"),
+    ({"max_tokens": True}, "max_tokens", "max_tokens: Input should be a valid integer"),
+    ({"stream": "yes"}, "stream", "stream: Input should be a valid boolean"),
+    ({"stop_token_ids": [True]}, "stop_token_ids.0", "stop_token_ids.0: Input should be a valid integer"),
+    ({"stop": 123}, "stop", "stop: Input should be a valid string (and 1 more problem)"),
+    ({"stop": "\ud800"}, "stop", "stop contains a lone UTF-16 surrogate ('\\ud800' at index 0), which is not valid Unicode"),
+    ({"messages": [{"role": "user", "content": "a\udfffb"}]}, "messages.0.content",
+     "messages contains a lone UTF-16 surrogate ('\\udfff' at index 1), which is not valid Unicode"),
 ])
 def test_chat_refusals_name_the_field_and_the_range(make_tenant, body, param, message):
     t = make_tenant()
@@ -65,7 +74,7 @@ def test_chat_refusals_name_the_field_and_the_range(make_tenant, body, param, me
 
 def test_neutral_values_of_unsupported_fields_are_accepted(make_tenant):
     t = make_tenant()
-    body = {**CHAT, "temperature": 0, "top_k": 0, "logit_bias": {}, "frequency_penalty": 0, "tools": [],
+    body = {**CHAT, "temperature": 0, "n": None, "top_k": 0, "logit_bias": {}, "frequency_penalty": 0, "tools": [],
             "tool_choice": "none", "logprobs": False, "response_format": {"type": "text"}, "seed": -(2**63),
             "stop_token_ids": [VOCAB - 1], "unknown_field": 1}
     r = t.client.post("/v1/chat/completions", json=body)
@@ -77,10 +86,14 @@ def test_neutral_values_of_unsupported_fields_are_accepted(make_tenant):
     ({"suffix": "x"}, "suffix", "`suffix` is not supported by loraplex"),
     ({"best_of": 3}, "best_of", "`best_of` other than 1 or n is not supported by loraplex"),
     ({"prompt": [[1, 2], [3, VOCAB]]}, "prompt", f"Token ids must be in [0, {VOCAB})."),
+    ({"prompt": ["ok", "\ud800"]}, "prompt",
+     "prompt contains a lone UTF-16 surrogate ('\\ud800' at index 0), which is not valid Unicode"),
+    ({"prompt": [True, 2]}, "prompt", "prompt: Input should be a valid string (and 5 more problems)"),
 ])
 def test_completion_refusals_name_the_field(make_tenant, body, param, message):
     t = make_tenant()
-    err = error_of(t.client.post("/v1/completions", json={**COMPLETION, **body}))
+    err = error_of(t.client.post("/v1/completions", content=json.dumps({**COMPLETION, **body}),
+                                 headers={"content-type": "application/json"}))
     assert (err["param"], err["message"]) == (param, message)
 
 
