@@ -163,12 +163,12 @@ def main() -> None:
     for r in (8, 16, 32, 64):
         write_random_adapter(tmp / f"cold{r}", cfg, r=r, alpha=r, targets=ALL, seed=r)
         llm.load_adapter(f"cold{r}", tmp / f"cold{r}")
-        name, path, plan = f"cold{r}", tmp / f"cold{r}", mgr.plans[f"cold{r}"]
-        full = median(timed(mgr._read, name, path) for _ in range(3))  # as after the file changed: every check
-        mgr._read(name, path, plan)  # grows the reused read buffer, once
-        planned = median(timed(mgr._read, name, path, plan) for _ in range(3))  # what a load does
-        adapter, _ = mgr._read(name, path, plan)
-        mgr.cpu[f"cold{r}"] = adapter
+        name, path, plan = f"cold{r}", tmp / f"cold{r}", mgr.registry[f"cold{r}"].read_plan
+        full = median(timed(mgr.read, name, path) for _ in range(3))  # as after the file changed: every check
+        mgr.read(name, path, plan)  # grows the reused read buffer, once
+        planned = median(timed(mgr.read, name, path, plan) for _ in range(3))  # what a load does
+        adapter, _ = mgr.read(name, path, plan)
+        mgr.host.entries[f"cold{r}"] = adapter
         t0 = time.perf_counter()
         mgr._place(f"cold{r}")  # pages for rank r (evicting unpinned adapters if needed) and the copy in
         slot = time.perf_counter() - t0

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.kernels.lora_ops import LoRAWeights
 from loraplex.kernels.metadata import LoRAMeta, build_lora_meta
+from loraplex.kernels.weights import LoRAWeights
 
 HBM_BYTES_PER_S = 4.8e12  # H200
 BF16_FLOPS = 790e12  # H200 dense bf16

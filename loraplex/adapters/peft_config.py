@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 
 from loraplex.adapters.safetensors_check import AdapterError
-from loraplex.engine.config import LORA_TARGET_MODULES, ModelConfig
+from loraplex.model_config import LORA_TARGET_MODULES, ModelConfig
 
 # PEFT's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING for llama, mistral and qwen2.
 DEFAULT_TARGET_MODULES = ["q_proj", "v_proj"]

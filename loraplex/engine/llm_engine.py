@@ -21,7 +21,7 @@ import torch
 
 from loraplex.adapters.manager import AdapterInUseError, AdapterManager
 from loraplex.engine.block_manager import BlockManager, cdiv
-from loraplex.engine.config import LORA_FUSED_GROUPS, EngineConfig, ModelConfig
+from loraplex.engine.config import EngineConfig
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.errors import EngineOverloadedError
 from loraplex.engine.loader import DUMMY_CONFIGS, iter_safetensors, load_config, resolve_model
@@ -31,6 +31,7 @@ from loraplex.engine.request import Request, RequestOutput, RequestStatus
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.kernels import attach_fused_shrink
+from loraplex.model_config import LORA_FUSED_GROUPS, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,9 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {kv_bytes} bytes is smaller than one KV block ({block_bytes} bytes)")
         self.block_manager = BlockManager(num_blocks, self.config.block_size)
-        self.adapters = AdapterManager(self.model_config, self.config, self.dtype, self.device)
+        cfg = self.config
+        self.adapters = AdapterManager(self.model_config, max_lora_rank=cfg.max_lora_rank, max_loras=cfg.max_loras,
+                                       max_cpu_loras=cfg.max_cpu_loras, dtype=self.dtype, device=self.device)
         for layer, buffers in zip(self.model.layers, self.adapters.buffers, strict=True):
             layer.self_attn.lora = {m: buffers[m] for m in ("q_proj", "k_proj", "v_proj", "o_proj")}
             layer.mlp.lora = {m: buffers[m] for m in ("gate_proj", "up_proj", "down_proj")}

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.engine.attention import AttentionMetadata, paged_attention
-from loraplex.engine.config import ModelConfig
 from loraplex.kernels import LoRAMeta, LoRAWeights, lora_linear
+from loraplex.model_config import ModelConfig
 
 
 class RMSNorm(nn.Module):

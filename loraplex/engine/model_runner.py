@@ -13,12 +13,12 @@ import torch
 
 from loraplex.engine.attention import AttentionMetadata, PrefillChunk
 from loraplex.engine.block_manager import BlockManager
-from loraplex.engine.config import ModelConfig
 from loraplex.engine.model import LlamaModel
 from loraplex.engine.request import Request
 from loraplex.engine.sampler import sample_rows
 from loraplex.engine.scheduler import SchedulerOutput
 from loraplex.kernels import build_lora_meta
+from loraplex.model_config import ModelConfig
 
 
 def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

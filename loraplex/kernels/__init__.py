@@ -1,22 +1,20 @@
 """Multi-adapter LoRA ops: per-step segment metadata, slot buffers, and one dispatching `add_lora`.
 
+Files by concern: `metadata` (the step's segments), `weights` (slot buffers), `reference` (the fp32
+reference), `cpu_packed` and `cpu_bgmv` (the CPU paths), `cpu_ext` (the compiled CPU kernel),
+`triton_sgmv` (the CUDA kernels), `lora_ops` (the dispatch). Nothing here imports `engine/` or
+`adapters/`.
+
 The Triton names (`add_lora_triton`, `sgmv_shrink`, `sgmv_expand`, `TileConfig`, `TILE_TABLE`,
 `pick_tiles`) load on first access, so importing this package needs no Triton and does not fix the
 Triton interpreter mode (TRITON_INTERPRET is read when the kernels are defined).
 """
 
-from loraplex.kernels.lora_ops import (
-    BACKENDS,
-    FusedShrink,
-    LoRAStack,
-    LoRAWeights,
-    add_lora,
-    attach_fused_shrink,
-    lora_linear,
-    set_backend,
-)
+from loraplex.kernels.cpu_packed import FusedShrink, add_lora_packed, attach_fused_shrink
+from loraplex.kernels.lora_ops import BACKENDS, add_lora, lora_linear, set_backend
 from loraplex.kernels.metadata import LoRAMeta, build_lora_meta
-from loraplex.kernels.reference import add_lora_packed, add_lora_segmented, lora_expand_ref, lora_shrink_ref
+from loraplex.kernels.reference import add_lora_segmented, lora_expand_ref, lora_shrink_ref
+from loraplex.kernels.weights import LoRAStack, LoRAWeights
 
 _TRITON_NAMES = ("add_lora_triton", "sgmv_shrink", "sgmv_expand", "TileConfig", "TILE_TABLE", "pick_tiles")
 

@@ -7,7 +7,7 @@ later processes load the built library in about 0.1 s. `scripts/install` builds 
 build-kernels`), so a server's first start does not. `get()` hands it out only on CPUs with AVX-512
 (its scalar path is the same maths but about 5x slower than the `embedding_bag` gathers, which run
 instead elsewhere). Where it cannot be built (no compiler, a build error) `get()` logs why once and
-returns None, and the CPU path falls back to the gathers (`reference.add_lora_bgmv`).
+returns None, and the CPU path falls back to the gathers (`cpu_bgmv.add_lora_bgmv`).
 `LORAPLEX_CPU_KERNEL=0` turns it off.
 
 Builds are serialized by an OS lock on a file next to the build directory (released if the process

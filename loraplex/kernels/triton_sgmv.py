@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.lora_ops import LoRAWeights
 from loraplex.kernels.metadata import LoRAMeta
+from loraplex.kernels.weights import LoRAWeights
 
 DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 MIN_DOT = 16  # tl.dot needs every tile side >= 16

@@ -10,7 +10,7 @@ import torch
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from loraplex.engine.config import ModelConfig  # noqa: E402
+from loraplex.model_config import ModelConfig  # noqa: E402
 
 TINY_LLAMA = dict(
     hidden_size=64,

@@ -24,8 +24,8 @@ HEAD_WAIT_BOUND = 25  # steps a request may wait once it is the oldest in the qu
 
 @pytest.fixture(scope="module")
 def adapter_dirs(model_path, tmp_path_factory):
-    from loraplex.engine.config import ModelConfig
     from loraplex.engine.loader import load_config
+    from loraplex.model_config import ModelConfig
 
     cfg = ModelConfig.from_hf_config(load_config(model_path))
     root = tmp_path_factory.mktemp("many-adapters")
@@ -38,16 +38,16 @@ def adapter_dirs(model_path, tmp_path_factory):
 
 
 def watch_pinned_evictions(mgr) -> list[str]:
-    """Wrap mgr._evict so every eviction of a pinned adapter is recorded in the returned list."""
+    """Wrap mgr.pages.evict so every eviction of a pinned adapter is recorded in the returned list."""
     evicted_pinned: list[str] = []
-    original_evict = mgr._evict
+    original_evict = mgr.pages.evict
 
-    def checked_evict(name, **kwargs):
-        if mgr.refcount.get(name):
+    def checked_evict(name):
+        if mgr.pages.refcount.get(name):
             evicted_pinned.append(name)
-        original_evict(name, **kwargs)
+        return original_evict(name)
 
-    mgr._evict = checked_evict
+    mgr.pages.evict = checked_evict
     return evicted_pinned
 
 
@@ -55,20 +55,20 @@ def assert_pages_consistent(mgr) -> None:
     """Resident adapters' runs of pages: inside the capacity, never overlapping, each aligned and inside one
     physical slot, large enough for the rank, matching `owner`; `slot_ranks` holds ranks only at their slots."""
     pages = {}
-    for name, v in mgr.slot_of.items():
+    for name, v in mgr.pages.slot_of.items():
         rank = mgr.slot_ranks[v]
-        n = mgr._pages_for(rank)
-        assert 0 < rank <= n * mgr.page and v % n == 0, f"{name}: rank {rank} in {n} pages at {v}"
-        assert v // mgr.pages_per_slot == (v + n - 1) // mgr.pages_per_slot, f"{name} crosses a physical slot"
+        n = mgr.pages.pages_for(rank)
+        assert 0 < rank <= n * mgr.pages.page and v % n == 0, f"{name}: rank {rank} in {n} pages at {v}"
+        assert v // mgr.pages.pages_per_slot == (v + n - 1) // mgr.pages.pages_per_slot, f"{name} crosses a physical slot"
         for p in range(v, v + n):
             assert p not in pages, f"{name} and {pages[p]} share page {p}"
             pages[p] = name
-    assert pages == {p: o for p, o in enumerate(mgr.owner) if o is not None}
-    resident = set(mgr.slot_of.values())
+    assert pages == {p: o for p, o in enumerate(mgr.pages.owner) if o is not None}
+    resident = set(mgr.pages.slot_of.values())
     assert all(r == 0 for v, r in enumerate(mgr.slot_ranks) if v not in resident)
     gpu = mgr.adapter_stats()["tiers"]["gpu"]
-    assert gpu["used"] == len(pages) * mgr.page <= gpu["capacity"] == mgr.num_slots * mgr.max_lora_rank
-    assert gpu["adapters"] == len(mgr.slot_of)
+    assert gpu["used"] == len(pages) * mgr.pages.page <= gpu["capacity"] == mgr.num_slots * mgr.max_lora_rank
+    assert gpu["adapters"] == len(mgr.pages.slot_of)
 
 
 def zipf_workload(seed: int = 0):
@@ -100,8 +100,8 @@ def test_zipf_over_200_adapters_with_4_slots(model_path, adapter_dirs):
         engine.step()
         step += 1
         assert_pages_consistent(mgr)
-        assert len(mgr.cpu) + len(mgr.loading) <= 16
-        assert all(r.lora_slot == mgr.slot_of[r.adapter] for r in engine.scheduler.running if r.lora_slot >= 0)
+        assert len(mgr.host) + len(mgr.host.loading) <= 16
+        assert all(r.lora_slot == mgr.pages.slot_of[r.adapter] for r in engine.scheduler.running if r.lora_slot >= 0)
         if engine.scheduler.waiting:
             became_head.setdefault(engine.scheduler.waiting[0].request_id, step)
         for r in engine.scheduler.running:
@@ -192,8 +192,8 @@ def test_repeated_load_and_unload_of_1000_adapters_does_not_leak(tmp_path):
     gc.collect()
     grown = _rss_bytes() - before
     mgr = llm.engine.adapters
-    assert not mgr.registry and not mgr.cpu and not mgr.loading and not mgr.slot_of and not mgr.refcount
-    assert not any(mgr.owner) and not any(mgr.slot_ranks)
+    assert not mgr.registry and not mgr.host and not mgr.host.loading and not mgr.pages.slot_of and not mgr.pages.refcount
+    assert not any(mgr.pages.owner) and not any(mgr.slot_ranks)
     assert grown < 64 << 20, f"RSS grew by {grown / 2**20:.0f} MiB over 1,000 load/unload cycles"
 
 
@@ -202,7 +202,7 @@ def _wait_in_host_memory(mgr, names) -> None:
     for n in names:
         mgr.prefetch(n)
     deadline = time.monotonic() + 120
-    while not all(n in mgr.cpu for n in names):
+    while not all(n in mgr.host for n in names):
         assert time.monotonic() < deadline, "adapters did not load"
         time.sleep(0.01)
         mgr.poll()
@@ -212,7 +212,7 @@ def test_16_rank_8_adapters_share_2_slots_of_rank_64_in_one_batch(model_path, tm
     """max_loras=2 of rank 64 is 128 rank rows: 16 rank-8 adapters resident and batched in one step."""
     llm = LLM(str(model_path), dtype="float32", max_loras=2, max_lora_rank=64, kv_cache_memory=64 << 20)
     engine, mgr = llm.engine, llm.engine.adapters
-    assert mgr.page == 8 and mgr.num_pages == 16 and len(mgr.slot_ranks) == 16
+    assert mgr.pages.page == 8 and mgr.pages.num_pages == 16 and len(mgr.slot_ranks) == 16
     names = [f"s{i}" for i in range(16)]
     for i, n in enumerate(names):
         write_random_adapter(tmp_path / n, engine.model_config, r=8, alpha=16, seed=100 + i, b_std=0.2)
@@ -225,7 +225,7 @@ def test_16_rank_8_adapters_share_2_slots_of_rank_64_in_one_batch(model_path, tm
     reqs = [engine.add_request(p, greedy, n) for p, n in zip(prompts, names, strict=True)]
     engine.step()
     assert {r.adapter for r in engine.scheduler.running} == set(names) and not engine.scheduler.waiting
-    assert len(mgr.slot_of) == 16 and sorted(mgr.slot_of.values()) == list(range(16))
+    assert len(mgr.pages.slot_of) == 16 and sorted(mgr.pages.slot_of.values()) == list(range(16))
     assert_pages_consistent(mgr)
     gpu = mgr.adapter_stats()["tiers"]["gpu"]
     assert (gpu["used"], gpu["capacity"], gpu["adapters"], gpu["page_rows"], gpu["evictions"]) == (128, 128, 16, 8, 0)
@@ -234,7 +234,7 @@ def test_16_rank_8_adapters_share_2_slots_of_rank_64_in_one_batch(model_path, tm
 
     # Each adapter alone, on an engine whose slots are not paged (rank 12 is no multiple of 8: a page is a slot).
     alone = LLM(str(model_path), dtype="float32", max_loras=1, max_lora_rank=12, kv_cache_memory=16 << 20)
-    assert alone.engine.adapters.page == 12
+    assert alone.engine.adapters.pages.page == 12
     for i, n in enumerate(names):
         alone.load_adapter(n, tmp_path / n)
         out = alone.generate([prompts[i]], greedy, adapters=n)[0]
@@ -267,10 +267,10 @@ def test_rank_64_adapter_gets_a_whole_slot_while_small_pinned_adapters_keep_runn
                 p = SamplingParams(max_tokens=rng.randrange(6, 12), temperature=0, ignore_eos=True)
                 reqs.append(engine.add_request([rng.randrange(100, 40000) for _ in range(4)], p, n))
         if step == 3:
-            assert sum(o is not None for o in mgr.owner) == 16 and all(mgr.refcount.get(n) for n in names)
+            assert sum(o is not None for o in mgr.pages.owner) == 16 and all(mgr.pages.refcount.get(n) for n in names)
             big_req = engine.add_request([11, 12, 13, 14], SamplingParams(max_tokens=4, temperature=0,
                                                                            ignore_eos=True), "big")
-        before, draining = set(engine.scheduler.running), set(mgr.draining)
+        before, draining = set(engine.scheduler.running), set(mgr.pages.draining)
         engine.step()
         assert_pages_consistent(mgr)
         admitted = [r for r in engine.scheduler.running if r not in before]
@@ -278,12 +278,12 @@ def test_rank_64_adapter_gets_a_whole_slot_while_small_pinned_adapters_keep_runn
         if "big" in running:
             if big_admitted_at is None:
                 big_admitted_at = step
-                v = mgr.slot_of["big"]
-                assert v % mgr.pages_per_slot == 0 and mgr.owner[v:v + mgr.pages_per_slot] == ["big"] * 8
-                assert mgr.reserved is None or mgr.reserved[0] != "big"  # maybe already kept for the next one
+                v = mgr.pages.slot_of["big"]
+                assert v % mgr.pages.pages_per_slot == 0 and mgr.pages.owner[v:v + mgr.pages.pages_per_slot] == ["big"] * 8
+                assert mgr.pages.reserved is None or mgr.pages.reserved[0] != "big"  # maybe already kept for the next one
             small_with_big = max(small_with_big, len(running & set(names)))
         elif big_req is not None and big_admitted_at is None:  # big waits: its slot drains, the other runs
-            assert mgr.reserved is not None and mgr.reserved[0] == "big" and mgr.draining
+            assert mgr.pages.reserved is not None and mgr.pages.reserved[0] == "big" and mgr.pages.draining
             assert not any(r.adapter in draining for r in admitted), "a draining adapter admitted a request"
             admitted_while_waiting += len(admitted)
         if step > 40 and not engine.has_unfinished_requests():
@@ -311,11 +311,11 @@ def test_evicted_and_unloaded_adapters_leave_zero_rows(tmp_path):
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     buffers = [w for layer in mgr.buffers for w in layer.values()]
     llm.generate([[1, 2, 3]], params, adapters="wide")
-    assert mgr.slot_of == {"wide": 0} and all(w.A[0, 8:16].abs().sum() > 0 for w in buffers)
+    assert mgr.pages.slot_of == {"wide": 0} and all(w.A[0, 8:16].abs().sum() > 0 for w in buffers)
 
     llm.generate([[1, 2, 3]], params, adapters="narrow")
-    assert dict(mgr.slot_of) == {"narrow": 0} and mgr.stats["gpu"]["evictions"] == 1
-    narrow = mgr.cpu["narrow"]
+    assert dict(mgr.pages.slot_of) == {"narrow": 0} and mgr.slot_stats.evictions == 1
+    narrow = mgr.host["narrow"]
     for layer, modules in enumerate(mgr.buffers):
         for module, w in modules.items():
             m = narrow.modules[layer, module]
@@ -329,7 +329,7 @@ def test_evicted_and_unloaded_adapters_leave_zero_rows(tmp_path):
     llm.unload_adapter("narrow")
     for w in buffers:
         assert not (w.A.any() or w.B.any() or w.BT.any() or w.ranks.any() or w.scales.any())
-    assert not any(mgr.owner) and mgr.adapter_stats()["tiers"]["gpu"]["used"] == 0
+    assert not any(mgr.pages.owner) and mgr.adapter_stats()["tiers"]["gpu"]["used"] == 0
 
 
 def test_load_thread_uses_one_torch_thread_and_leaves_the_others_alone():
@@ -337,7 +337,7 @@ def test_load_thread_uses_one_torch_thread_and_leaves_the_others_alone():
     oversubscribes the cores); the caller and threads started later keep torch's thread count."""
     before = torch.get_num_threads()
     mgr = LLM("tiny-llama", load_format="dummy", dtype="float32", kv_cache_memory=1 << 20).engine.adapters
-    assert mgr._loader.submit(torch.get_num_threads).result() == 1
+    assert mgr.host.run_on_loader(torch.get_num_threads) == 1
     assert torch.get_num_threads() == before
     later = []
     t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
@@ -362,7 +362,7 @@ def test_reservation_holds_while_the_batch_is_full(model_path, tmp_path):
     names = list(small)
     for n in names:  # every small adapter resident, so each slot holds some
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, ignore_eos=True), adapters=n)
-    assert sum(o is not None for o in mgr.owner) == 16
+    assert sum(o is not None for o in mgr.pages.owner) == 16
 
     rng = random.Random(3)
     reqs, big_req, big_admitted_at = [], None, None
@@ -381,7 +381,7 @@ def test_reservation_holds_while_the_batch_is_full(model_path, tmp_path):
             if big_req in engine.scheduler.running or big_req.is_finished:
                 big_admitted_at = step
             elif step > 6:
-                assert mgr.reserved is not None and mgr.reserved[0] == "big", f"step {step}: reservation dropped"
+                assert mgr.pages.reserved is not None and mgr.pages.reserved[0] == "big", f"step {step}: reservation dropped"
         if step > 80 and not engine.has_unfinished_requests():
             break
     assert not engine.has_unfinished_requests()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from loraplex.engine.config import ModelConfig
 from loraplex.engine.loader import DUMMY_CONFIGS, load_config
+from loraplex.model_config import ModelConfig
 
 
 def test_smollm2_shapes_match_the_converted_default_model(model_path):

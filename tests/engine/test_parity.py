@@ -87,12 +87,12 @@ def test_mixed_batch_matches_peft_token_for_token(llm, peft_model, tokenizer):
 def test_few_adapters_take_the_shrink_inside_the_base_gemm_and_match_peft(llm, peft_model, tokenizer, monkeypatch):
     """Four adapters whose rank pages fit under the base weights (6 pages of 8 rows): the CPU packed
     path runs their shrink inside the base GEMMs (`lora_linear`), and every row still equals PEFT."""
-    from loraplex.kernels import lora_ops
+    from loraplex.kernels import cpu_packed
 
     model, _ = peft_model
     calls = []
-    real = lora_ops.add_lora_fused_packed
-    monkeypatch.setattr(lora_ops, "add_lora_fused_packed", lambda *a: calls.append(1) or real(*a))
+    real = cpu_packed.add_lora_fused_packed
+    monkeypatch.setattr(cpu_packed, "add_lora_fused_packed", lambda *a: calls.append(1) or real(*a))
     rows = [None, "qv-r8", "all-linear-rslora-r16", "attn-patterns-r4", "layers-r8", None]
     prompts = [chat_ids(tokenizer, PROMPTS[i % len(PROMPTS)]) for i in range(len(rows))]
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0), adapters=rows)
@@ -159,7 +159,7 @@ def test_preemption_under_a_tiny_kv_cache_gives_the_same_tokens(model_path, peft
         expected = peft_generate(model, ids, a, MAX_NEW)  # PEFT stops at EOS; ignore_eos kept ours going
         assert out.token_ids[: len(expected)] == expected
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert not engine.adapters.refcount
+    assert not engine.adapters.pages.refcount
 
 
 def test_seeded_sampling_is_the_same_in_any_batch(llm, tokenizer):

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.kernels.lora_ops import LoRAWeights
 from loraplex.kernels.metadata import LoRAMeta, build_lora_meta
+from loraplex.kernels.weights import LoRAWeights
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RANKS = (4, 8, 16, 64)

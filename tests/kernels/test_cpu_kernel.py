@@ -6,7 +6,7 @@ import torch
 from lora_cases import assert_matches, make_case
 
 from loraplex.kernels import LoRAWeights, cpu_ext
-from loraplex.kernels.reference import add_lora_bgmv
+from loraplex.kernels.cpu_bgmv import add_lora_bgmv
 
 # The CPU path: on a GPU machine make_case builds CUDA batches, and the Triton tests cover the kernels.
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the compiled kernel is the CPU path")

@@ -4,8 +4,7 @@ import pytest
 import torch
 from lora_cases import DEVICE, assert_matches, make_case
 
-from loraplex.kernels import lora_ops
-from loraplex.kernels.lora_ops import LoRAWeights, attach_fused_shrink, lora_linear
+from loraplex.kernels import LoRAWeights, attach_fused_shrink, lora_linear, lora_ops
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the fused shrink is the CPU path (slot mirrors)")
 

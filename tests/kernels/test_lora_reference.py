@@ -4,15 +4,12 @@ import pytest
 import torch
 from lora_cases import DEVICE, POPULARITIES, assert_matches, make_case
 
-from loraplex.kernels import cpu_ext, lora_ops, reference
-from loraplex.kernels.lora_ops import LoRAWeights
+from loraplex.kernels import cpu_bgmv, cpu_ext, cpu_packed, lora_ops
+from loraplex.kernels.cpu_bgmv import add_lora_bgmv, add_lora_dense_segments
+from loraplex.kernels.cpu_packed import add_lora_packed
 from loraplex.kernels.metadata import build_lora_meta
-from loraplex.kernels.reference import (
-    add_lora_bgmv,
-    add_lora_dense_segments,
-    add_lora_packed,
-    add_lora_segmented,
-)
+from loraplex.kernels.reference import add_lora_segmented
+from loraplex.kernels.weights import LoRAWeights
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -66,7 +63,7 @@ def test_fused_qkv_gqa(path):
 @pytest.mark.parametrize("popularity", ["identical", "skewed", "uniform"])
 def test_packed_fused_slices_one_or_many_expands(monkeypatch, block_diagonal_max, popularity):
     """Adjacent slices (fused q/k/v) expand through one block-diagonal matmul or one matmul each."""
-    monkeypatch.setattr(reference, "BLOCK_DIAGONAL_MAX_COLUMNS", block_diagonal_max)
+    monkeypatch.setattr(cpu_packed, "BLOCK_DIAGONAL_MAX_COLUMNS", block_diagonal_max)
     case = make_case(40, popularity, 3, torch.float32, 96, [96, 32, 32], "zero", seed=11)
     _run("packed", case)
     _run("packed", case)  # second call: weights from the cache
@@ -117,7 +114,7 @@ def test_bgmv_sends_long_segments_through_dense_matmuls(monkeypatch):
             (name, a[3].row_order.numel())) or real(*a))
     monkeypatch.setattr(lora_ops, "_backend", "auto")
     monkeypatch.setattr(lora_ops, "PACKED_LIMITS", {torch.float32: (16, 1 << 20)})
-    monkeypatch.setattr(lora_ops, "LONG_SEGMENT_ROWS", 32)
+    monkeypatch.setattr(cpu_bgmv, "LONG_SEGMENT_ROWS", 32)
     y = case.y.clone()
     lora_ops.add_lora(y, case.x, case.slices, case.meta, case.offsets)
     assert calls == [("add_lora_dense_segments", 40), ("add_lora_bgmv", 32)]
@@ -207,7 +204,7 @@ def test_bgmv_step_of_only_long_segments_takes_dense_matmuls(monkeypatch):
     case.meta = build_lora_meta(slot_ids, DEVICE, slot_ranks=case.meta.slot_ranks)
     monkeypatch.setattr(lora_ops, "_backend", "auto")
     monkeypatch.setattr(lora_ops, "PACKED_LIMITS", {torch.float32: (4, 1 << 20)})
-    monkeypatch.setattr(lora_ops, "LONG_SEGMENT_ROWS", 32)
+    monkeypatch.setattr(cpu_bgmv, "LONG_SEGMENT_ROWS", 32)
     monkeypatch.setattr(lora_ops, "add_lora_bgmv", None)  # any call would raise
     y = case.y.clone()
     lora_ops.add_lora(y, case.x, case.slices, case.meta, case.offsets)
