@@ -143,8 +143,8 @@ def main() -> None:
                     if kind == "lora":
                         batches.append((llm.engine.num_batched_rows - rows) / max(1, llm.engine.num_steps - steps))
                 after = llm.adapter_stats()["tiers"]
-                hits += after["gpu"]["hits"] - before["gpu"]["hits"]
-                misses += after["gpu"]["misses"] - before["gpu"]["misses"]
+                hits += after["slots"]["hits"] - before["slots"]["hits"]
+                misses += after["slots"]["misses"] - before["slots"]["misses"]
                 loads.append(after["cpu"]["misses"] - before["cpu"]["misses"])
                 base_tps.append(pair["base"])
                 lora_tps.append(pair["lora"])

@@ -9,7 +9,6 @@ from loraplex.adapters.peft import (
     load_peft_files,
     read_adapter_config,
     validate_peft_adapter,
-    validate_peft_files,
 )
 
 __all__ = [
@@ -21,5 +20,4 @@ __all__ = [
     "load_peft_files",
     "read_adapter_config",
     "validate_peft_adapter",
-    "validate_peft_files",
 ]

@@ -245,21 +245,20 @@ class AdapterManager:
     # stats --------------------------------------------------------------------------------------------
     def adapter_stats(self) -> dict:
         """Capacity, occupancy, hits, misses, evictions and load latency (seconds, p50/p99) per tier,
-        and each registered adapter's tier ("gpu", "cpu", "loading", "failed" or "disk"; "gpu" is the
-        slot tier, whatever the device: the name the dashboard and the API have always used).
+        and each registered adapter's tier ("slots", "cpu", "loading", "failed" or "disk").
 
-        Units: "cpu" and "disk" count adapters; "gpu" counts rank rows (capacity max_loras x
+        Units: "cpu" and "disk" count adapters; "slots" counts rank rows (capacity max_loras x
         max_lora_rank, used: rows of owned pages) and adds "adapters" (resident adapters) and
         "page_rows" (rank rows per page)."""
         pages, host = self.pages, self.host
-        tiers = {"gpu": self.slot_stats.summary(self.num_slots * self.max_lora_rank, pages.page * pages.num_used_pages),
+        tiers = {"slots": self.slot_stats.summary(self.num_slots * self.max_lora_rank, pages.page * pages.num_used_pages),
                  "cpu": host.stats.summary(host.capacity, len(host))}
-        tiers["gpu"].update(adapters=len(pages.slot_of), page_rows=pages.page)
+        tiers["slots"].update(adapters=len(pages.slot_of), page_rows=pages.page)
         tiers["disk"] = {"capacity": None, "used": len(self.registry)}
 
         def tier_of(name: str) -> str:
             if name in pages:
-                return "gpu"
+                return "slots"
             if name in host:
                 return "cpu"
             return "loading" if name in host.loading else "failed" if name in host.failed else "disk"

@@ -266,7 +266,7 @@ def _run_stats(before: dict, after: dict) -> RunStats:
     return RunStats(
         num_steps=delta("num_steps") or 0,
         num_batched_rows=delta("num_batched_rows") or 0,
-        adapter_hits=delta("adapters", "tiers", "gpu", "hits"),
-        adapter_misses=delta("adapters", "tiers", "gpu", "misses"),
+        adapter_hits=delta("adapters", "tiers", "slots", "hits"),
+        adapter_misses=delta("adapters", "tiers", "slots", "misses"),
         num_preemptions=delta("num_preemptions"),
     )

@@ -34,7 +34,7 @@ def run_engine(llm, workload: Workload, *, static: bool = False) -> tuple[list[R
     records = [RequestRecord(r.arrival_s, None, None, r.prompt_len, 0, r.adapter) for r in workload.requests]
     index_of: dict[str, int] = {}
     stats = RunStats(num_preemptions=engine.scheduler.num_preemptions)
-    before = llm.adapter_stats()["tiers"]["gpu"]
+    before = llm.adapter_stats()["tiers"]["slots"]
     start = time.perf_counter()
     try:
         while pending or engine.has_unfinished_requests():
@@ -73,7 +73,7 @@ def run_engine(llm, workload: Workload, *, static: bool = False) -> tuple[list[R
         engine.config.static_batching = was_static
         for rid in list(index_of):
             engine.abort_request(rid)
-    after = llm.adapter_stats()["tiers"]["gpu"]
+    after = llm.adapter_stats()["tiers"]["slots"]
     stats.adapter_hits = after["hits"] - before["hits"]
     stats.adapter_misses = after["misses"] - before["misses"]
     stats.num_preemptions = engine.scheduler.num_preemptions - stats.num_preemptions

@@ -78,7 +78,7 @@ class ModelRunner:
             row = len(ids)
             ids += req.all_token_ids[start:end]
             positions += range(start, end)
-            slot_ids += [req.lora_slot] * n
+            slot_ids += [req.virtual_slot] * n
             if n == 1:
                 decodes.append(req)
             elif start == 0:

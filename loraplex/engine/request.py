@@ -51,7 +51,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    lora_slot: int = -1
+    virtual_slot: int = -1  # its adapter's virtual slot (first page in the slot tier) while pinned, else -1
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -223,7 +223,7 @@ class Scheduler:
             self.waiting.popleft()
             if req.adapter is not None:
                 try:
-                    req.lora_slot = self.adapters.acquire(req.adapter)
+                    req.virtual_slot = self.adapters.acquire(req.adapter)
                 except Exception as exc:  # placing this adapter failed: its requests end, the batch goes on
                     logger.exception("adapter %r could not be placed in a slot", req.adapter)
                     req.error = f"adapter {req.adapter!r} could not be placed in a slot: {exc}"
@@ -281,9 +281,9 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release_adapter(self, req: Request) -> None:
-        if req.lora_slot >= 0:
+        if req.virtual_slot >= 0:
             self.adapters.release(req.adapter)
-            req.lora_slot = -1
+            req.virtual_slot = -1
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Mark `req` finished and free its KV blocks and adapter pin in this same step."""

@@ -23,6 +23,10 @@ buffers, so a launch costs no copy of the adapters' weights.
 Invariants: a row without an adapter, and a row whose slot has rank 0 in a slice, is never written;
 every load is masked to the adapter's own r rank rows, so NaN in rows beyond its rank, in rows no
 adapter owns, or in a neighbouring adapter's pages of the same physical slot cannot leak.
+
+Longer than our usual file (about 370 lines) on purpose: the two kernels, their launchers and the
+argument checks that keep the raw addresses safe are one unit (STYLE.md's three parts of a kernel),
+read and changed together.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from loraplex.engine.errors import EngineOverloadedError
 from loraplex.engine.sampling_params import ParamError, SamplingParams, check_stop_token_ids, check_top_k
 from loraplex.platform import crud, tenant_adapters
 from loraplex.platform.api.deps import Caller, QuotaGate
-from loraplex.platform.engine import Generation, engine_adapter_name
+from loraplex.platform.engine_client import Generation, engine_adapter_name
 from loraplex.platform.errors import (
     APIError,
     engine_overloaded,

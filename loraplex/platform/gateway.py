@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from loraplex.adapters.store import AdapterStore
 from loraplex.platform import crud, db
 from loraplex.platform.config import QuotaDefaults, Settings
-from loraplex.platform.engine import EngineService
+from loraplex.platform.engine_client import EngineClient
 from loraplex.platform.errors import shutting_down
 from loraplex.platform.metrics import Metrics
 from loraplex.platform.quotas.memory import MemoryBackend
@@ -31,7 +31,7 @@ class Gateway:
     quota_defaults: QuotaDefaults
     db: Engine
     sessions: sessionmaker[Session]
-    engine: EngineService
+    engine: EngineClient
     quotas: QuotaService
     usage: UsageWriter
     metrics: Metrics
@@ -79,13 +79,13 @@ class Gateway:
         self.db.dispose()
 
 
-def load_engine(settings: Settings) -> EngineService:
+def load_engine(settings: Settings) -> EngineClient:
     from loraplex.engine.async_llm import AsyncLLM
 
-    return EngineService(AsyncLLM(settings.model, **settings.engine_kwargs()), settings.model_id)
+    return EngineClient(AsyncLLM(settings.model, **settings.engine_kwargs()), settings.model_id)
 
 
-def open_gateway(settings: Settings, engine: EngineService | None = None, *, migrate: bool = True) -> Gateway:
+def open_gateway(settings: Settings, engine: EngineClient | None = None, *, migrate: bool = True) -> Gateway:
     """Apply migrations, make sure an admin key exists (printing a new one once), open the adapter store
     (moving in files of older gateways), start the engine (unless one is passed in, which the caller
     keeps owning) and the usage writer."""

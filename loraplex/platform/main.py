@@ -9,13 +9,13 @@ from fastapi import APIRouter, FastAPI
 from loraplex.platform import dashboard
 from loraplex.platform.api.routes import adapters, admin, chat, completions, health, models
 from loraplex.platform.config import Settings
-from loraplex.platform.engine import EngineService
+from loraplex.platform.engine_client import EngineClient
 from loraplex.platform.errors import install_error_handlers
 from loraplex.platform.gateway import open_gateway
 from loraplex.platform.middleware import BodyLimitMiddleware, ShedMiddleware
 
 
-def create_app(settings: Settings | None = None, engine: EngineService | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, engine: EngineClient | None = None) -> FastAPI:
     """The gateway app. `engine`: an already loaded engine to share (tests); the app then leaves it running."""
     settings = settings or Settings()
 

@@ -27,7 +27,7 @@ class EngineCollector:
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         tiers = s["adapters"]["tiers"]
-        resident = GaugeMetricFamily("loraplex_adapters_resident", "Adapters held per tier (gpu, cpu, disk)",
+        resident = GaugeMetricFamily("loraplex_adapters_resident", "Adapters held per tier (slots, cpu, disk)",
                                      labels=["tier"])
         for tier, t in tiers.items():
             resident.add_metric([tier], t.get("adapters", t["used"]))

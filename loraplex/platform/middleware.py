@@ -25,7 +25,7 @@ GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 class ShedMiddleware:
     """503 at once for POSTs to `paths` while `scope["app"].state.gateway` is draining or its engine's
-    queue is full (`EngineService.is_queue_full`); counted in `loraplex_requests_shed_total`."""
+    queue is full (`EngineClient.is_queue_full`); counted in `loraplex_requests_shed_total`."""
 
     def __init__(self, app, paths: tuple[str, ...] = GENERATION_PATHS):
         self.app = app

@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from loraplex.adapters.peft import CONFIG_NAME, SAFETENSORS_NAME, AdapterError, load_peft_adapter
 from loraplex.adapters.store import AdapterStore, content_digest
 from loraplex.platform import crud
-from loraplex.platform.engine import engine_adapter_name
+from loraplex.platform.engine_client import engine_adapter_name
 from loraplex.platform.errors import conflict, insufficient_quota, invalid_request, not_found, too_large
 from loraplex.platform.models import Adapter
 from loraplex.platform.uploads import UploadError, UploadTooLarge, unpack_upload

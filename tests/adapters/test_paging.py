@@ -66,9 +66,9 @@ def assert_pages_consistent(mgr) -> None:
     assert pages == {p: o for p, o in enumerate(mgr.pages.owner) if o is not None}
     resident = set(mgr.pages.slot_of.values())
     assert all(r == 0 for v, r in enumerate(mgr.slot_ranks) if v not in resident)
-    gpu = mgr.adapter_stats()["tiers"]["gpu"]
-    assert gpu["used"] == len(pages) * mgr.pages.page <= gpu["capacity"] == mgr.num_slots * mgr.max_lora_rank
-    assert gpu["adapters"] == len(mgr.pages.slot_of)
+    slots = mgr.adapter_stats()["tiers"]["slots"]
+    assert slots["used"] == len(pages) * mgr.pages.page <= slots["capacity"] == mgr.num_slots * mgr.max_lora_rank
+    assert slots["adapters"] == len(mgr.pages.slot_of)
 
 
 def zipf_workload(seed: int = 0):
@@ -101,7 +101,7 @@ def test_zipf_over_200_adapters_with_4_slots(model_path, adapter_dirs):
         step += 1
         assert_pages_consistent(mgr)
         assert len(mgr.host) + len(mgr.host.loading) <= 16
-        assert all(r.lora_slot == mgr.pages.slot_of[r.adapter] for r in engine.scheduler.running if r.lora_slot >= 0)
+        assert all(r.virtual_slot == mgr.pages.slot_of[r.adapter] for r in engine.scheduler.running if r.virtual_slot >= 0)
         if engine.scheduler.waiting:
             became_head.setdefault(engine.scheduler.waiting[0].request_id, step)
         for r in engine.scheduler.running:
@@ -113,11 +113,11 @@ def test_zipf_over_200_adapters_with_4_slots(model_path, adapter_dirs):
     assert max(waits) <= HEAD_WAIT_BOUND, f"a request waited {max(waits)} steps at the head of the queue"
 
     stats = llm.adapter_stats()
-    gpu, cpu = stats["tiers"]["gpu"], stats["tiers"]["cpu"]
-    assert gpu["evictions"] > 0 and cpu["evictions"] > 0 and cpu["misses"] >= len(set(names)) > 16
-    assert gpu["hits"] + gpu["misses"] == NUM_REQUESTS
-    assert cpu["load_s_p50"] is not None and gpu["load_s_p99"] >= gpu["load_s_p50"]
-    assert set(stats["adapters"].values()) <= {"gpu", "cpu", "disk"} and not stats["pinned"]
+    slots, cpu = stats["tiers"]["slots"], stats["tiers"]["cpu"]
+    assert slots["evictions"] > 0 and cpu["evictions"] > 0 and cpu["misses"] >= len(set(names)) > 16
+    assert slots["hits"] + slots["misses"] == NUM_REQUESTS
+    assert cpu["load_s_p50"] is not None and slots["load_s_p99"] >= slots["load_s_p50"]
+    assert set(stats["adapters"].values()) <= {"slots", "cpu", "disk"} and not stats["pinned"]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
     # The same requests with each adapter fully resident: groups of at most 4 adapters at a time.
@@ -150,7 +150,7 @@ def test_unload_in_use_is_refused_and_failed_loads_abort(model_path, adapter_dir
         engine.step()
     assert req.is_finished
     llm.unload_adapter("a0")
-    assert llm.list_adapters() == [] and llm.adapter_stats()["tiers"]["gpu"]["used"] == 0
+    assert llm.list_adapters() == [] and llm.adapter_stats()["tiers"]["slots"]["used"] == 0
 
     # Files that vanish after registration: the request ends with "abort", the engine keeps going.
     shutil.copytree(adapter_dirs[1], tmp_path / "gone")
@@ -227,8 +227,8 @@ def test_16_rank_8_adapters_share_2_slots_of_rank_64_in_one_batch(model_path, tm
     assert {r.adapter for r in engine.scheduler.running} == set(names) and not engine.scheduler.waiting
     assert len(mgr.pages.slot_of) == 16 and sorted(mgr.pages.slot_of.values()) == list(range(16))
     assert_pages_consistent(mgr)
-    gpu = mgr.adapter_stats()["tiers"]["gpu"]
-    assert (gpu["used"], gpu["capacity"], gpu["adapters"], gpu["page_rows"], gpu["evictions"]) == (128, 128, 16, 8, 0)
+    slots = mgr.adapter_stats()["tiers"]["slots"]
+    assert (slots["used"], slots["capacity"], slots["adapters"], slots["page_rows"], slots["evictions"]) == (128, 128, 16, 8, 0)
     while engine.has_unfinished_requests():
         engine.step()
 
@@ -329,7 +329,7 @@ def test_evicted_and_unloaded_adapters_leave_zero_rows(tmp_path):
     llm.unload_adapter("narrow")
     for w in buffers:
         assert not (w.A.any() or w.B.any() or w.BT.any() or w.ranks.any() or w.scales.any())
-    assert not any(mgr.pages.owner) and mgr.adapter_stats()["tiers"]["gpu"]["used"] == 0
+    assert not any(mgr.pages.owner) and mgr.adapter_stats()["tiers"]["slots"]["used"] == 0
 
 
 def test_load_thread_uses_one_torch_thread_and_leaves_the_others_alone():

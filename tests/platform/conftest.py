@@ -24,13 +24,13 @@ def redis_server():
 @pytest.fixture(scope="session")
 def engine_service(model_path):
     from loraplex.engine.async_llm import AsyncLLM
-    from loraplex.platform.engine import EngineService
+    from loraplex.platform.engine_client import EngineClient
 
     # No bound on the estimated queue wait: tests that send more requests than the batch holds must not
     # depend on how fast this machine steps (the bound has its own tests: test_scheduler, test_overload).
     llm = AsyncLLM(str(model_path), dtype="float32", kv_cache_memory=KV_CACHE_MEMORY, max_loras=4,
                    max_num_seqs=16, max_queue_wait_s=None)
-    service = EngineService(llm, factories.BASE_MODEL)
+    service = EngineClient(llm, factories.BASE_MODEL)
     yield service
     service.shutdown()
 

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from loraplex.platform import crud
 from loraplex.platform.dashboard.charts import Chart, Series, stacked_bars
-from loraplex.platform.engine import engine_adapter_name
+from loraplex.platform.engine_client import engine_adapter_name
 from loraplex.platform.gateway import Gateway
 from loraplex.platform.models import Adapter, ApiKey, Quota, Tenant, UsageDaily
 from loraplex.platform.quotas.limits import Limits, budget_period
@@ -157,7 +157,7 @@ class Throughput:
 @dataclass(frozen=True)
 class Tier:
     """One adapter tier's row. `used` and `capacity` count adapters, or rank rows for the paged slot
-    tier ("gpu"), which then also reports its resident adapters in `adapters`."""
+    tier ("slots"), which then also reports its resident adapters in `adapters`."""
 
     name: str
     used: int

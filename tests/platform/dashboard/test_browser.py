@@ -173,7 +173,7 @@ def test_operator_flow(page, neighbours, dash_server, dash_admin, dash_gateway, 
     assert page.locator("[data-gauge=rpm] .gauge-text").first.text_content().split()[1:] == ["/", "3"]
     adapter = page.locator("tr[data-adapter=support-bot]")
     assert "q_proj" in adapter.text_content() and adapter.locator("td").nth(1).text_content() == "8"
-    assert adapter.locator(".tier").text_content() == "gpu"
+    assert adapter.locator(".tier").text_content() == "slots"
     page.screenshot(path=shots / "tenant.png", full_page=True)
 
     # another range: 7 days; then days without today

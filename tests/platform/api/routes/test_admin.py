@@ -97,9 +97,9 @@ def test_engine_state(admin, make_tenant, peft_adapters):
     assert s["num_running"] == 0 and s["num_waiting"] == 0 and 0 <= s["kv_cache_usage"] <= 1
     assert s["num_steps"] >= 1 and s["num_batched_rows"] >= 1
     tiers = s["adapters"]["tiers"]
-    assert {"gpu", "cpu", "disk"} <= set(tiers) and tiers["gpu"]["misses"] >= 1
+    assert {"slots", "cpu", "disk"} <= set(tiers) and tiers["slots"]["misses"] >= 1
     mine = [tier for name, tier in s["adapters"]["adapters"].items() if name.startswith(f"{t.id}:resident:")]
-    assert mine == ["gpu"]
+    assert mine == ["slots"]
 
 
 def test_first_usage_rows_page(admin, make_tenant):

@@ -1,4 +1,5 @@
-"""The gateway's side of the engine: tenant adapters in the engine, running requests, engine stats.
+"""The gateway's client of the engine (`AsyncLLM` in this process): tenant adapters in the engine,
+running requests and their fan-out into choices, tokenization, engine stats.
 
 Engine adapter names are unique across tenants and versions: `<tenant_id>:<name>:<digest[:16]>`, so a
 re-uploaded adapter never reuses a stale registration. Adapters are registered on first use (several
@@ -26,7 +27,10 @@ def engine_adapter_name(tenant_id: int, name: str, digest: str) -> str:
     return f"{tenant_id}:{name}:{digest[:16]}"
 
 
-class EngineService:
+class EngineClient:
+    """The engine as the gateway's routes use it: `llm` the in-process `AsyncLLM`, `model_id` the base
+    model's public name. Runs on the event loop; engine state is read on the engine thread (`llm.call`)."""
+
     def __init__(self, llm: AsyncLLM, model_id: str):
         self.llm = llm
         self.model_id = model_id
@@ -119,7 +123,7 @@ class EngineService:
 
 def engine_stats(core) -> dict:
     """A snapshot of an LLMEngine (call on its thread). `adapters` is `AdapterManager.adapter_stats()`:
-    per tier ("gpu" slots, "cpu" host memory, "disk") capacity, occupancy, hits, misses, evictions, and
+    per tier ("slots" adapter slots, "cpu" host memory, "disk") capacity, occupancy, hits, misses, evictions, and
     each adapter's tier under its engine name `<tenant_id>:<name>:<digest>`."""
     bm = core.block_manager
     return {
@@ -157,7 +161,7 @@ class Generation:
     request has ended.
     """
 
-    def __init__(self, service: EngineService, request_ids: list[str], deltas: asyncio.Queue):
+    def __init__(self, service: EngineClient, request_ids: list[str], deltas: asyncio.Queue):
         self.service = service
         self.request_ids = request_ids
         self.choices = [Choice() for _ in request_ids]
@@ -167,7 +171,7 @@ class Generation:
         self._reader = asyncio.create_task(self._read(deltas))
 
     @classmethod
-    async def start(cls, service: EngineService, prompts: list[list[int]], params: list[SamplingParams],
+    async def start(cls, service: EngineClient, prompts: list[list[int]], params: list[SamplingParams],
                     adapter: str | None, request_id: str, tenant_id: int) -> Generation:
         """Queue the call's requests, all or none. Raises ValueError (input the engine refuses) or
         EngineOverloadedError (its waiting queue is full) with nothing queued."""
