@@ -86,11 +86,11 @@ class HostCache:
         self.loading[name] = (self._loader.submit(self._load, name), epoch)
         return False
 
-    def poll(self, epoch_of: Callable[[str], int | None]) -> list[str]:
+    def poll(self, epoch_of: Callable[[str], int | None]) -> tuple[list[str], list[str]]:
         """Take in finished loads (engine thread): a load whose adapter was unregistered (and maybe
         registered again) since it started, `epoch_of(name)` differing, is dropped. Returns the adapters
-        whose load failed in this call."""
-        failed = []
+        loaded and those whose load failed, in this call."""
+        loaded, failed = [], []
         for name, (future, epoch) in list(self.loading.items()):
             if not future.done():
                 continue
@@ -106,7 +106,8 @@ class HostCache:
                 continue
             self.stats.load_s.append(seconds)
             self.entries[name] = adapter
-        return failed
+            loaded.append(name)
+        return loaded, failed
 
     def wait(self, timeout: float) -> None:
         """Sleep until a load in flight ends, at most `timeout` seconds; at once if none is."""

@@ -18,6 +18,7 @@ virtual slot, overwritten and zeroed past its rank), so rows no adapter owns sta
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -82,16 +83,19 @@ class AdapterManager:
         return self.pages.slot_ranks
 
     # registry (disk tier) -------------------------------------------------------------------------
-    def register(self, name: str, path: str | Path, read_plan: ReadPlan | None = None) -> None:
+    def register(self, name: str, path: str | Path, *, validated: bool = False) -> None:
         """Register the PEFT adapter directory `path` under `name`; its tensors load on first use.
 
-        Without `read_plan` the directory is validated here (every check of `load_peft_adapter`, tensors
-        dropped); with one (an upload validated it already, `AdapterStore`) it is trusted as is. Raises
-        AdapterError (bad adapter, nothing registered) or ValueError if `name` is taken.
+        The directory is validated here (every check of `load_peft_adapter`, tensors dropped) unless
+        `validated`: files checked already and unchanged since (the gateway's content-addressed store,
+        checked at upload), which then get their checks once, on the load thread, at their first load,
+        and are read by the plan that load records afterwards. Raises AdapterError (bad adapter, nothing
+        registered) or ValueError if `name` is taken.
         """
         if name in self.registry:
             raise ValueError(f"adapter {name!r} is already loaded; unload it first")
-        if read_plan is None:
+        read_plan = None
+        if not validated:
             read_plan = load_peft_adapter(path, self.model_cfg, max_lora_rank=self.max_lora_rank).plan
         self.registry[name] = Registered(Path(path), read_plan, next(self._epochs))
         self.host.forget_failure(name)
@@ -113,10 +117,6 @@ class AdapterManager:
 
     def __contains__(self, name: str) -> bool:
         return name in self.registry
-
-    def num_users(self, name: str) -> int:
-        """Running requests that pin `name` now."""
-        return self.pages.refcount.get(name, 0)
 
     # the scheduler's verbs ------------------------------------------------------------------------------
     def can_acquire(self, name: str) -> bool:
@@ -168,7 +168,12 @@ class AdapterManager:
         the next free place and the drain would start over (starving a large adapter).
         """
         pages = self.pages
-        for name in self.host.poll(lambda n: self.registry[n].epoch if n in self.registry else None):
+        loaded, failed = self.host.poll(lambda n: self.registry[n].epoch if n in self.registry else None)
+        for name in loaded:  # a first load through every check: later loads read by its plan
+            reg = self.registry[name]
+            if reg.read_plan is None and self.host[name].plan is not None:
+                self.registry[name] = dataclasses.replace(reg, read_plan=self.host[name].plan)
+        for name in failed:
             if pages.reserved is not None and pages.reserved[0] == name:
                 pages.reserve(None)
         if num_examined is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -125,6 +126,7 @@ class LLMEngine:
                                    self.model_config.max_model_len)
         self.runner = ModelRunner(self.model, self.block_manager, self.dtype, self.device)
         self.requests: dict[str, Request] = {}
+        self.num_requests_by_adapter: Counter[str] = Counter()  # unfinished requests (waiting or running)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
         self.num_batched_rows = 0  # sum over steps of the requests scheduled in the step
@@ -170,6 +172,8 @@ class LLMEngine:
             self.adapters.forget_failure(adapter)  # a new request retries a load that failed before
         for req in reqs:
             self.requests[req.request_id] = req
+            if adapter is not None:
+                self.num_requests_by_adapter[adapter] += 1
             self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.sampling_params.stop)
             self.scheduler.add_request(req)
         return reqs
@@ -209,12 +213,19 @@ class LLMEngine:
             return self._fail(req, exc)
 
     def unload_adapter(self, name: str) -> None:
-        """Forget an adapter. KeyError if unknown; AdapterInUseError while any request (running or
+        """Forget an adapter. KeyError if unknown; AdapterInUseError while any unfinished request (running or
         waiting) uses it."""
-        waiting = sum(r.adapter == name for r in self.scheduler.waiting)
-        if waiting:
-            raise AdapterInUseError(f"adapter {name!r} is used by {waiting} waiting request(s)")
+        if self.num_requests_by_adapter[name]:
+            raise AdapterInUseError(f"adapter {name!r} is used by {self.num_requests_by_adapter[name]} "
+                                    "unfinished request(s)")
         self.adapters.unregister(name)
+
+    def _forget(self, req: Request) -> None:
+        """`req` ended and its last output is built: drop it (idempotent)."""
+        if self.requests.pop(req.request_id, None) is not None and req.adapter is not None:
+            self.num_requests_by_adapter[req.adapter] -= 1
+            if not self.num_requests_by_adapter[req.adapter]:
+                del self.num_requests_by_adapter[req.adapter]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -272,7 +283,7 @@ class LLMEngine:
         else:  # finished by its stop check, then failed producing its output
             req.status = RequestStatus.FINISHED_ABORTED
         detok = self.detokenizers.pop(req.request_id, None)
-        self.requests.pop(req.request_id, None)
+        self._forget(req)
         return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                              token_ids=list(req.output_token_ids), text=detok.text if detok else "",
                              finish_reason=req.finish_reason, adapter=req.adapter, error=req.error)
@@ -283,7 +294,8 @@ class LLMEngine:
         ttft = req.first_token_time - req.arrival_time if req.first_token_time else None
         latency = req.finish_time - req.arrival_time if req.finish_time else None
         if req.is_finished:
-            del self.requests[req.request_id], self.detokenizers[req.request_id]
+            del self.detokenizers[req.request_id]
+            self._forget(req)
         return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                              token_ids=list(req.output_token_ids), text=detok.text, finish_reason=req.finish_reason,
                              adapter=req.adapter, ttft_s=ttft, latency_s=latency, delta_text=delta,

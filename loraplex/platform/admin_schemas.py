@@ -1,9 +1,10 @@
-"""Admin API bodies and their JSON form (the dashboard of issue 7 validates through these too)."""
+"""Admin API bodies, in and out (pydantic, so `/docs` shows the real shapes); the dashboard validates its
+forms through the same input models. Times out are UTC ISO 8601 strings ending in Z."""
 
 from __future__ import annotations
 
 import datetime as dt
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -58,26 +59,109 @@ class KeyIn(BaseModel):
         return self.expires_at
 
 
+class QuotaOut(BaseModel):
+    """A tenant's quota; null is unlimited (fields as in `QuotaIn`)."""
+
+    rpm: int | None
+    tpm: int | None
+    max_concurrent_requests: int | None
+    token_budget: int | None
+    budget_period: Literal["day", "week", "month"]
+    max_adapters: int | None
+    max_adapter_bytes: int | None
+
+
+class TenantOut(BaseModel):
+    id: int
+    object: Literal["tenant"] = "tenant"
+    name: str
+    created_at: str
+    quota: QuotaOut
+
+
+class KeyOut(BaseModel):
+    """An API key as stored: its prefix (the first characters, to recognize it), never the key."""
+
+    id: int
+    object: Literal["api_key"] = "api_key"
+    tenant_id: int | None
+    role: Literal["tenant", "admin"]
+    name: str
+    prefix: str
+    created_at: str
+    expires_at: str | None
+    revoked_at: str | None
+    last_used_at: str | None
+
+
+class KeyCreated(KeyOut):
+    key: str  # the key itself: in this response only
+
+
+class UsageOut(BaseModel):
+    """One tenant's requests and tokens on one adapter (null: the base model) on one UTC day."""
+
+    tenant_id: int
+    adapter: str | None
+    day: str
+    num_requests: int
+    num_failed: int
+    num_prompt_tokens: int
+    num_completion_tokens: int
+
+
+class EngineOut(BaseModel):
+    """The engine's state: requests, KV cache blocks (usage 0..1), counters since start, and `adapters`
+    (`AdapterManager.adapter_stats`: per tier capacity, occupancy, hits, misses, evictions, load times,
+    and each adapter's tier under its engine name)."""
+
+    model: str
+    quota_store: Literal["ok", "degraded"]
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_steps: int
+    num_batched_rows: int
+    num_generated_tokens: int
+    num_preemptions: int
+    adapters: dict
+
+
+T = TypeVar("T")
+
+
+class ObjectList(BaseModel, Generic[T]):
+    object: Literal["list"] = "list"
+    data: list[T]
+
+
+class Page(ObjectList[T], Generic[T]):
+    """`data` from `offset` on, at most `limit` entries, of `total`."""
+
+    total: int
+
+
 def _iso(t: dt.datetime | None) -> str | None:
     return None if t is None else t.isoformat() + "Z"
 
 
-def quota_out(q: Quota) -> dict:
-    return {f: getattr(q, f) for f in QuotaIn.model_fields}
+def quota_out(q: Quota) -> QuotaOut:
+    return QuotaOut(**{f: getattr(q, f) for f in QuotaIn.model_fields})
 
 
-def tenant_out(t: Tenant) -> dict:
-    return {"id": t.id, "object": "tenant", "name": t.name, "created_at": _iso(t.created_at),
-            "quota": quota_out(t.quota)}
+def tenant_out(t: Tenant) -> TenantOut:
+    return TenantOut(id=t.id, name=t.name, created_at=_iso(t.created_at), quota=quota_out(t.quota))
 
 
-def key_out(k: ApiKey) -> dict:
-    return {"id": k.id, "object": "api_key", "tenant_id": k.tenant_id, "role": k.role, "name": k.name,
-            "prefix": k.prefix, "created_at": _iso(k.created_at), "expires_at": _iso(k.expires_at),
-            "revoked_at": _iso(k.revoked_at), "last_used_at": _iso(k.last_used_at)}
+def key_out(k: ApiKey) -> KeyOut:
+    return KeyOut(id=k.id, tenant_id=k.tenant_id, role=k.role, name=k.name, prefix=k.prefix,
+                  created_at=_iso(k.created_at), expires_at=_iso(k.expires_at), revoked_at=_iso(k.revoked_at),
+                  last_used_at=_iso(k.last_used_at))
 
 
-def usage_out(u: UsageDaily) -> dict:
-    return {"tenant_id": u.tenant_id, "adapter": u.adapter or None, "day": u.day.isoformat(),
-            "num_requests": u.num_requests, "num_failed": u.num_failed,
-            "num_prompt_tokens": u.num_prompt_tokens, "num_completion_tokens": u.num_completion_tokens}
+def usage_out(u: UsageDaily) -> UsageOut:
+    return UsageOut(tenant_id=u.tenant_id, adapter=u.adapter or None, day=u.day.isoformat(),
+                    num_requests=u.num_requests, num_failed=u.num_failed, num_prompt_tokens=u.num_prompt_tokens,
+                    num_completion_tokens=u.num_completion_tokens)

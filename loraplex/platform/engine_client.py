@@ -45,12 +45,15 @@ class EngineClient:
 
     # adapters -----------------------------------------------------------------------------------
     async def ensure_adapter(self, name: str, path: str) -> None:
-        """Register `name` from `path` unless it is registered. AdapterError if the files are invalid."""
+        """Register `name` from `path` (files of the adapter store, validated at upload) unless it is
+        registered. Nothing is read here: the engine thread never parses an adapter; its first load, on the
+        load thread, checks the files once more as it reads them (a store file damaged since ends the
+        requests for it with the reason)."""
         adapters = self.llm.engine.adapters
 
         def ensure() -> None:  # on the engine thread: check and register in one step
             if name not in adapters:
-                adapters.register(name, path)
+                adapters.register(name, path, validated=True)
 
         await self.llm.call(ensure)
 

@@ -27,6 +27,7 @@ from loraplex.platform import crud
 from loraplex.platform.engine_client import engine_adapter_name
 from loraplex.platform.errors import conflict, insufficient_quota, invalid_request, not_found, too_large
 from loraplex.platform.models import Adapter
+from loraplex.platform.openai_responses import AdapterCard
 from loraplex.platform.uploads import UploadError, UploadTooLarge, unpack_upload
 
 if TYPE_CHECKING:
@@ -46,11 +47,12 @@ def check_name(gw: Gateway, name: object) -> str:
     return name
 
 
-def adapter_body(gw: Gateway, row: Adapter) -> dict:
-    return {"id": row.name, "object": "adapter", "name": row.name, "parent": gw.engine.model_id,
-            "rank": row.rank, "target_modules": row.target_modules, "num_bytes": row.num_bytes,
-            "digest": row.digest, "created_at": row.created_at.isoformat() + "Z",
-            "last_used_at": row.last_used_at.isoformat() + "Z" if row.last_used_at else None}
+def adapter_card(base_model: str, row: Adapter) -> AdapterCard:
+    """The API's view of a tenant's adapter `row` on `base_model`."""
+    return AdapterCard(id=row.name, name=row.name, parent=base_model, rank=row.rank,
+                       target_modules=row.target_modules, num_bytes=row.num_bytes, digest=row.digest,
+                       created_at=row.created_at.isoformat() + "Z",
+                       last_used_at=row.last_used_at.isoformat() + "Z" if row.last_used_at else None)
 
 
 def store_name(name: str, digest: str) -> str:

@@ -11,6 +11,7 @@ import torch
 from loraplex.adapters.manager import AdapterManager
 from loraplex.adapters.slot_pages import SlotPages
 from loraplex.adapters.synthetic import write_random_adapter
+from loraplex.adapters.tensor_reads import read_planned
 
 
 def pages(num_slots=2, max_rank=64, page=8) -> SlotPages:
@@ -140,3 +141,26 @@ def test_step_reports_failed_loads_and_a_new_request_retries(manager, tmp_path, 
     assert mgr.adapter_stats()["adapters"]["gone"] == "failed"
     mgr.forget_failure("gone")
     assert mgr.step(["gone"], num_examined=1) == {} and "gone" in mgr.host.loading
+
+
+def test_a_validated_adapter_is_checked_once_on_the_load_thread_then_read_by_plan(manager, tmp_path, model_config):
+    """The gateway registers store files validated at upload: registering reads nothing; the first load
+    runs every check and records the read plan that later loads use; a file damaged since is refused
+    there, reported by `step`, never raised on the engine thread."""
+    mgr = manager
+    write_random_adapter(tmp_path / "stored", model_config, r=8, alpha=8, seed=7)
+    (tmp_path / "damaged").mkdir()
+    (tmp_path / "damaged" / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 0}')
+    mgr.register("stored", tmp_path / "stored", validated=True)
+    mgr.register("damaged", tmp_path / "damaged", validated=True)  # no read here, so no error either
+    assert mgr.registry["stored"].read_plan is None
+    failed = {}
+    deadline = time.monotonic() + 30
+    while "stored" not in mgr.host or "damaged" not in failed:
+        assert time.monotonic() < deadline
+        failed = mgr.step(["stored", "damaged"], num_examined=0)
+        mgr.wait_for_loads(0.1)
+    assert mgr.registry["stored"].read_plan is not None
+    assert "r" in failed["damaged"]
+    reread = read_planned(mgr.registry["stored"].read_plan, "stored", torch.float32)  # None: the plan is stale
+    assert reread is not None and all(torch.equal(reread.stacked[m].A, mgr.host["stored"].stacked[m].A) for m in reread.stacked)

@@ -110,7 +110,7 @@ async def create_tenant(request: Request, gw: GatewayDep, op: Operator) -> Respo
 
     def create() -> dict:
         with gw.sessions() as s:
-            return admin.create_tenant(body, gw, s, None)
+            return admin.create_tenant(body, gw, s, None).model_dump()
 
     try:
         tenant = await asyncio.to_thread(create)
@@ -204,7 +204,7 @@ async def issue_key(request: Request, tenant_id: int, gw: GatewayDep, op: Operat
 
     def issue() -> dict:
         with gw.sessions() as s:
-            return admin.issue_key(tenant_id, body, s, None)
+            return admin.issue_key(tenant_id, body, s, None).model_dump()
 
     return await tenant_page(request, gw, op, tenant_id, 201, new_key=await asyncio.to_thread(issue))
 

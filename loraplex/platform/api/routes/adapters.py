@@ -10,8 +10,9 @@ from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
 
 from loraplex.platform import crud, tenant_adapters
-from loraplex.platform.api.deps import CurrentCaller, GatewayDep, SessionDep, TenantQuota
+from loraplex.platform.api.deps import CurrentCaller, EngineDep, GatewayDep, SessionDep, TenantQuota
 from loraplex.platform.errors import invalid_request, not_found, too_large
+from loraplex.platform.openai_responses import AdapterCard, AdapterList, Deleted
 from loraplex.platform.uploads import UploadTooLarge
 
 router = APIRouter(prefix="/adapters", tags=["adapters"])
@@ -40,7 +41,7 @@ def _limited(receive, max_bytes: int):
 
 
 @router.post("", status_code=201, openapi_extra=UPLOAD_BODY)
-async def upload_adapter(request: Request, gw: GatewayDep, gate: TenantQuota) -> dict:
+async def upload_adapter(request: Request, gw: GatewayDep, gate: TenantQuota) -> AdapterCard:
     gw.refuse_if_draining()
     limit = gw.settings.max_upload_bytes
     length = request.headers.get("content-length", "")
@@ -64,24 +65,24 @@ async def upload_adapter(request: Request, gw: GatewayDep, gate: TenantQuota) ->
             max_adapter_bytes=gate.max_adapter_bytes)
     finally:
         await form.close()
-    return tenant_adapters.adapter_body(gw, row)
+    return tenant_adapters.adapter_card(gw.engine.model_id, row)
 
 
 @router.get("")
-def list_adapters(gw: GatewayDep, caller: CurrentCaller, session: SessionDep) -> dict:
+def list_adapters(engine: EngineDep, caller: CurrentCaller, session: SessionDep) -> AdapterList:
     rows = crud.list_adapters(session, caller.tenant_id)
-    return {"object": "list", "data": [tenant_adapters.adapter_body(gw, r) for r in rows]}
+    return AdapterList(data=[tenant_adapters.adapter_card(engine.model_id, r) for r in rows])
 
 
 @router.get("/{name}")
-def get_adapter(name: str, gw: GatewayDep, caller: CurrentCaller, session: SessionDep) -> dict:
+def get_adapter(name: str, engine: EngineDep, caller: CurrentCaller, session: SessionDep) -> AdapterCard:
     row = crud.get_adapter(session, caller.tenant_id, name)
     if row is None:
         raise not_found(f"The adapter `{name}` does not exist.", param="name")
-    return tenant_adapters.adapter_body(gw, row)
+    return tenant_adapters.adapter_card(engine.model_id, row)
 
 
 @router.delete("/{name}")
-async def delete_adapter(name: str, gw: GatewayDep, caller: CurrentCaller) -> dict:
+async def delete_adapter(name: str, gw: GatewayDep, caller: CurrentCaller) -> Deleted:
     await tenant_adapters.delete_adapter(gw, caller.tenant_id, name)
-    return {"id": name, "object": "adapter", "deleted": True}
+    return Deleted(id=name, object="adapter")

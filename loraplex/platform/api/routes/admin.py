@@ -13,18 +13,27 @@ from sqlalchemy.exc import IntegrityError
 
 from loraplex.platform import crud, tenant_adapters
 from loraplex.platform.admin_schemas import (
+    EngineOut,
+    KeyCreated,
     KeyIn,
+    KeyOut,
+    ObjectList,
+    Page,
     QuotaIn,
+    QuotaOut,
     TenantIn,
+    TenantOut,
     TenantPatch,
+    UsageOut,
     key_out,
     quota_out,
     tenant_out,
     usage_out,
 )
-from loraplex.platform.api.deps import AdminKey, GatewayDep, SessionDep
+from loraplex.platform.api.deps import AdminKey, EngineDep, GatewayDep, QuotasDep, SessionDep
 from loraplex.platform.errors import conflict, not_found
 from loraplex.platform.models import ApiKey, Tenant, utcnow
+from loraplex.platform.openai_responses import AdapterCard, Deleted
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 Offset = Query(0, ge=0)
@@ -40,7 +49,7 @@ def _tenant(session, tenant_id: int) -> Tenant:
 
 # tenants ----------------------------------------------------------------------------------------
 @router.post("/tenants", status_code=201)
-def create_tenant(body: TenantIn, gw: GatewayDep, session: SessionDep, _: AdminKey) -> dict:
+def create_tenant(body: TenantIn, gw: GatewayDep, session: SessionDep, _: AdminKey) -> TenantOut:
     quota = body.quota.model_dump(exclude_unset=True) if body.quota else None
     try:
         tenant = crud.create_tenant(session, body.name, gw.quota_defaults, quota)
@@ -51,18 +60,18 @@ def create_tenant(body: TenantIn, gw: GatewayDep, session: SessionDep, _: AdminK
 
 
 @router.get("/tenants")
-def list_tenants(session: SessionDep, _: AdminKey, offset: int = Offset, limit: int = Limit) -> dict:
+def list_tenants(session: SessionDep, _: AdminKey, offset: int = Offset, limit: int = Limit) -> Page[TenantOut]:
     tenants, total = crud.list_tenants(session, offset, limit)
-    return {"object": "list", "data": [tenant_out(t) for t in tenants], "total": total}
+    return Page(data=[tenant_out(t) for t in tenants], total=total)
 
 
 @router.get("/tenants/{tenant_id}")
-def get_tenant(tenant_id: int, session: SessionDep, _: AdminKey) -> dict:
+def get_tenant(tenant_id: int, session: SessionDep, _: AdminKey) -> TenantOut:
     return tenant_out(_tenant(session, tenant_id))
 
 
 @router.patch("/tenants/{tenant_id}")
-def update_tenant(tenant_id: int, body: TenantPatch, session: SessionDep, _: AdminKey) -> dict:
+def update_tenant(tenant_id: int, body: TenantPatch, session: SessionDep, _: AdminKey) -> TenantOut:
     tenant = _tenant(session, tenant_id)
     tenant.name = body.name
     try:
@@ -73,7 +82,7 @@ def update_tenant(tenant_id: int, body: TenantPatch, session: SessionDep, _: Adm
 
 
 @router.delete("/tenants/{tenant_id}")
-async def delete_tenant(tenant_id: int, gw: GatewayDep, _: AdminKey) -> dict:
+async def delete_tenant(tenant_id: int, gw: GatewayDep, _: AdminKey) -> Deleted:
     """Revokes its keys at once (they are deleted), unloads its adapters, keeps its usage history."""
 
     def names() -> list[str]:
@@ -88,17 +97,17 @@ async def delete_tenant(tenant_id: int, gw: GatewayDep, _: AdminKey) -> dict:
             s.delete(_tenant(s, tenant_id))
 
     await asyncio.to_thread(delete)
-    return {"id": tenant_id, "object": "tenant", "deleted": True}
+    return Deleted(id=tenant_id, object="tenant")
 
 
 # quotas -----------------------------------------------------------------------------------------
 @router.get("/tenants/{tenant_id}/quota")
-def get_quota(tenant_id: int, session: SessionDep, _: AdminKey) -> dict:
+def get_quota(tenant_id: int, session: SessionDep, _: AdminKey) -> QuotaOut:
     return quota_out(_tenant(session, tenant_id).quota)
 
 
 @router.patch("/tenants/{tenant_id}/quota")
-def set_quota(tenant_id: int, body: QuotaIn, session: SessionDep, _: AdminKey) -> dict:
+def set_quota(tenant_id: int, body: QuotaIn, session: SessionDep, _: AdminKey) -> QuotaOut:
     """Set the given quota fields (null: unlimited); effective for the tenant's next request."""
     quota = crud.update_quota(session, _tenant(session, tenant_id), body.model_dump(exclude_unset=True))
     session.commit()
@@ -107,21 +116,21 @@ def set_quota(tenant_id: int, body: QuotaIn, session: SessionDep, _: AdminKey) -
 
 # keys -------------------------------------------------------------------------------------------
 @router.post("/tenants/{tenant_id}/keys", status_code=201)
-def issue_key(tenant_id: int, body: KeyIn, session: SessionDep, _: AdminKey) -> dict:
+def issue_key(tenant_id: int, body: KeyIn, session: SessionDep, _: AdminKey) -> KeyCreated:
     """The key is in this response only; the server keeps its hash."""
     row, key = crud.issue_key(session, _tenant(session, tenant_id), body.name, body.expiry(utcnow()))
     session.commit()
-    return {**key_out(row), "key": key}
+    return KeyCreated(**key_out(row).model_dump(), key=key)
 
 
 @router.get("/tenants/{tenant_id}/keys")
-def list_keys(tenant_id: int, session: SessionDep, _: AdminKey) -> dict:
+def list_keys(tenant_id: int, session: SessionDep, _: AdminKey) -> ObjectList[KeyOut]:
     _tenant(session, tenant_id)
-    return {"object": "list", "data": [key_out(k) for k in crud.list_keys(session, tenant_id)]}
+    return ObjectList(data=[key_out(k) for k in crud.list_keys(session, tenant_id)])
 
 
 @router.delete("/keys/{key_id}")
-def revoke_key(key_id: int, session: SessionDep, _: AdminKey) -> dict:
+def revoke_key(key_id: int, session: SessionDep, _: AdminKey) -> KeyOut:
     row = session.get(ApiKey, key_id)
     if row is None:
         raise not_found(f"Key {key_id} does not exist.", param="key_id")
@@ -132,30 +141,30 @@ def revoke_key(key_id: int, session: SessionDep, _: AdminKey) -> dict:
 
 # adapters ---------------------------------------------------------------------------------------
 @router.get("/tenants/{tenant_id}/adapters")
-def list_adapters(tenant_id: int, gw: GatewayDep, session: SessionDep, _: AdminKey) -> dict:
+def list_adapters(tenant_id: int, engine: EngineDep, session: SessionDep, _: AdminKey) -> ObjectList[AdapterCard]:
     rows = crud.list_adapters(session, _tenant(session, tenant_id).id)
-    return {"object": "list", "data": [tenant_adapters.adapter_body(gw, r) for r in rows]}
+    return ObjectList(data=[tenant_adapters.adapter_card(engine.model_id, r) for r in rows])
 
 
 @router.delete("/tenants/{tenant_id}/adapters/{name}")
-async def delete_adapter(tenant_id: int, name: str, gw: GatewayDep, _: AdminKey) -> dict:
+async def delete_adapter(tenant_id: int, name: str, gw: GatewayDep, _: AdminKey) -> Deleted:
     await tenant_adapters.delete_adapter(gw, tenant_id, name)
-    return {"id": name, "object": "adapter", "deleted": True}
+    return Deleted(id=name, object="adapter")
 
 
 # usage and engine -------------------------------------------------------------------------------
 @router.get("/usage")
 def usage(session: SessionDep, _: AdminKey, tenant_id: int | None = None, adapter: str | None = None,
           start: dt.date | None = None, end: dt.date | None = None, offset: int = Offset,
-          limit: int = Limit) -> dict:
+          limit: int = Limit) -> Page[UsageOut]:
     """Requests and tokens per tenant, adapter ("" or null: the base model) and UTC day, newest first."""
     adapter_key = None if adapter is None else ("" if adapter in ("", "base") else adapter)
     rows, total = crud.usage_rows(session, tenant_id=tenant_id, adapter=adapter_key, start=start, end=end,
                                   offset=offset, limit=limit)
-    return {"object": "list", "data": [usage_out(r) for r in rows], "total": total}
+    return Page(data=[usage_out(r) for r in rows], total=total)
 
 
 @router.get("/engine")
-async def engine(gw: GatewayDep, _: AdminKey) -> dict:
-    stats = await gw.engine.stats()
-    return {"model": gw.engine.model_id, "quota_store": "degraded" if gw.quotas.degraded else "ok", **stats}
+async def engine_state(engine: EngineDep, quotas: QuotasDep, _: AdminKey) -> EngineOut:
+    stats = await engine.stats()
+    return EngineOut(model=engine.model_id, quota_store="degraded" if quotas.degraded else "ok", **stats)

@@ -3,23 +3,32 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 
-from loraplex.platform.api.deps import GatewayDep
+from loraplex.platform.api.deps import EngineDep, GatewayDep, MetricsDep
 
 router = APIRouter(tags=["health"])
 
 
-@router.get("/health")
+class Health(BaseModel):
+    status: Literal["ok", "draining"]
+
+
+@router.get("/health", response_model=Health,
+            responses={503: {"model": Health, "description": "draining: shutting down, send elsewhere"}})
 async def health(gw: GatewayDep):
     if gw.is_draining:
         return JSONResponse({"status": "draining"}, status_code=503, headers={"retry-after": "1"})
-    return {"status": "ok"}
+    return Health(status="ok")
 
 
-@router.get("/metrics")
-async def metrics(gw: GatewayDep) -> Response:
-    snapshot = await gw.engine.stats()
-    return Response(gw.metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
+@router.get("/metrics", response_class=Response,
+            responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
+async def metrics(engine: EngineDep, registry: MetricsDep) -> Response:
+    snapshot = await engine.stats()
+    return Response(registry.render(snapshot), media_type=CONTENT_TYPE_LATEST)

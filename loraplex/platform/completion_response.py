@@ -1,0 +1,95 @@
+"""A completion's answer: the JSON body (`response_body`, through the pydantic models of
+`openai_responses`), the SSE stream in OpenAI's chunk format (`stream`), and what a request the engine
+ended early answers (503 `engine_error`, or `server_shutting_down` when shutdown's grace ran out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING
+
+from loraplex.platform.engine_client import Generation
+from loraplex.platform.errors import APIError, shutting_down, unavailable
+from loraplex.platform.openai_responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    TextChoice,
+    TextCompletion,
+    UsageBody,
+)
+
+if TYPE_CHECKING:
+    from loraplex.platform.completion import Completion
+
+
+def engine_error(message: str = "The engine failed while generating this request; try again.") -> APIError:
+    """A request the engine ended for a fault of its own (not the input): 503, worth a retry."""
+    return unavailable(message, code="engine_error")
+
+
+def _raise_for_errors(gen: Generation) -> None:
+    for c in gen.choices:
+        if c.error is not None:
+            raise engine_error()
+        if c.finish_reason == "abort":  # aborted by the gateway with no fault: shutdown's grace ran out
+            raise shutting_down()
+
+
+def usage_body(c: Completion, gen: Generation) -> UsageBody:
+    n = gen.num_completion_tokens
+    return UsageBody(prompt_tokens=c.num_prompt_tokens, completion_tokens=n, total_tokens=c.num_prompt_tokens + n)
+
+
+def response_body(c: Completion, gen: Generation) -> ChatCompletion | TextCompletion:
+    _raise_for_errors(gen)
+    if c.kind == "chat":
+        return ChatCompletion(id=c.request_id, created=c.created, model=c.body.model, usage=usage_body(c, gen),
+                              choices=[ChatChoice(index=i, message=AssistantMessage(content=ch.text),
+                                                  finish_reason=ch.finish_reason) for i, ch in enumerate(gen.choices)])
+    return TextCompletion(id=c.request_id, created=c.created, model=c.body.model, usage=usage_body(c, gen),
+                          choices=[TextChoice(index=i, text=ch.text, finish_reason=ch.finish_reason)
+                                   for i, ch in enumerate(gen.choices)])
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def stream(c: Completion, gen: Generation, finalized: asyncio.Task):
+    """SSE chunks in OpenAI's format, ending with `data: [DONE]`; the usage chunk (stream_options) after
+    `finalized` (the quota settled). Leaving early aborts the engine requests."""
+    is_chat = c.kind == "chat"
+    opts = c.body.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    base = {"id": c.request_id, "object": "chat.completion.chunk" if is_chat else "text_completion",
+            "created": c.created, "model": c.body.model, "system_fingerprint": None}
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(i: int, text: str | None, finish_reason: str | None, role: bool = False) -> str:
+        if is_chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return _sse({**base, "choices": [choice], **extra})
+
+    try:
+        if is_chat:
+            for i in range(len(gen.choices)):
+                yield chunk(i, None, None, role=True)
+        async for i, out in gen.events():
+            if out.finish_reason == "abort":
+                yield _sse((engine_error() if out.error is not None else shutting_down()).body())
+                continue
+            if out.delta_text:
+                yield chunk(i, out.delta_text, None)
+            if out.finished:
+                yield chunk(i, None, out.finish_reason)
+        await asyncio.shield(finalized)
+        if include_usage:
+            yield _sse({**base, "choices": [], "usage": usage_body(c, gen).model_dump()})
+        yield _sse("[DONE]")
+    finally:
+        gen.cancel()

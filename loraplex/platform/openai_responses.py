@@ -1,0 +1,99 @@
+"""Response bodies of the OpenAI-compatible endpoints (pydantic), in OpenAI's wire format, so that the
+OpenAPI page (`/docs`) shows the real shapes. Non-streamed answers are built through these; stream
+chunks are plain dicts of the same fields (`completion.stream`), built per token where a model would
+cost a validation each.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel
+
+
+class UsageBody(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: None = None
+    choices: list[ChatChoice]
+    usage: UsageBody
+
+
+class TextChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class TextCompletion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: None = None
+    choices: list[TextChoice]
+    usage: UsageBody
+
+
+class ModelCard(BaseModel):
+    """The base model (`parent` None, owned by loraplex) or one of the caller's adapters."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int  # Unix seconds
+    owned_by: str
+    parent: str | None
+    root: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class AdapterCard(BaseModel):
+    """A tenant's adapter: its rank `r`, the projections it targets, its tensors' size (bytes) and content
+    digest (sha256 of its files); times are UTC ISO 8601."""
+
+    id: str
+    object: Literal["adapter"] = "adapter"
+    name: str
+    parent: str
+    rank: int
+    target_modules: list[str]
+    num_bytes: int
+    digest: str
+    created_at: str
+    last_used_at: str | None
+
+
+class AdapterList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[AdapterCard]
+
+
+class Deleted(BaseModel):
+    id: int | str
+    object: str
+    deleted: Literal[True] = True
