@@ -38,7 +38,7 @@ class AsyncLLM:
         self._thread.start()
 
     async def submit(self, prompts: list[list[int]], params: list[SamplingParams], request_ids: list[str], *,
-                     adapter: str | None = None, tenant_id: str | None = None) -> asyncio.Queue:
+                     adapter: str | None = None, tenant_id: int | None = None) -> asyncio.Queue:
         """Queue one call's requests, all or none, and return the asyncio queue that every delta of theirs
         arrives on (`RequestOutput.request_id` tells which; the last of each has `finish_reason` set).
 
@@ -58,7 +58,7 @@ class AsyncLLM:
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
                        adapter: str | None = None, request_id: str | None = None,
-                       tenant_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       tenant_id: int | None = None) -> AsyncIterator[RequestOutput]:
         """Stream deltas of one request; the last one has `finish_reason` set. Raises as `submit` does,
         before the first delta. Leaving the loop early aborts the request."""
         rid = request_id or f"async-{uuid.uuid4().hex}"

@@ -140,7 +140,7 @@ class LLMEngine:
     # requests -----------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     adapter: str | None = None, request_id: str | None = None,
-                    tenant_id: str | None = None) -> Request:
+                    tenant_id: int | None = None) -> Request:
         """Queue a request. Raises ValueError for an empty or too long prompt, out-of-vocabulary token
         ids or sampling values (a ParamError naming the field), a duplicate id or an unknown adapter
         (nothing is queued)."""
@@ -148,7 +148,7 @@ class LLMEngine:
                                  None if request_id is None else [request_id], tenant_id)[0]
 
     def add_requests(self, prompts: list[list[int]], params: list[SamplingParams], adapter: str | None = None,
-                     request_ids: list[str] | None = None, tenant_id: str | None = None, *,
+                     request_ids: list[str] | None = None, tenant_id: int | None = None, *,
                      shed: bool = False) -> list[Request]:
         """Queue one call's requests (a prompt list, `n` choices) all or none: every one is checked as in
         `add_request` before any is queued. shed=True (a server) also raises EngineOverloadedError, with
@@ -179,7 +179,7 @@ class LLMEngine:
         return reqs
 
     def _make_request(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None,
-                      request_id: str | None, tenant_id: str | None) -> Request:
+                      request_id: str | None, tenant_id: int | None) -> Request:
         """A checked, not yet queued request (ValueError as in `add_request`)."""
         n = len(prompt_token_ids)
         max_len = self.model_config.max_model_len

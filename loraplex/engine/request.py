@@ -45,7 +45,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     adapter: str | None = None
-    tenant_id: str | None = None
+    tenant_id: int | None = None  # the gateway's tenant (None: no tenant, as through the LLM API)
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

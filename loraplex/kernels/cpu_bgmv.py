@@ -72,16 +72,16 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
         raise ValueError("the embedding_bag gathers read the AT shrink mirrors, which these slot buffers were "
                          "made without (the compiled CPU kernel was built then): LoRAWeights.empty(..., "
                          "shrink_mirror=True)")
-    plan = _bgmv_plan(meta, slices[0])
-    rows, n_max = plan["rows"], plan["n_max"]
-    xs = x.index_select(0, meta.row_order)  # [T_a, H_in], rows grouped by adapter (see _bgmv_plan)
-    s_idx, s_off, s_valid = _bgmv_shrink_index(plan, x.shape[1])
+    layout = _bgmv_layout(meta, slices[0])
+    rows, n_max = layout["rows"], layout["n_max"]
+    xs = x.index_select(0, meta.row_order)  # [T_a, H_in], rows grouped by adapter (see _bgmv_layout)
+    s_idx, s_off, s_valid = _bgmv_shrink_index(layout, x.shape[1])
     if n_max == 1:
         xw = xs.reshape(-1)  # [T_a H_in]
     else:
         xw = xs.unsqueeze(1).expand(-1, n_max, -1)  # [T_a, n_max, H_in]
         xw = xw.reshape(-1) if s_valid is None else xw[s_valid].reshape(-1)
-    e_idx, e_off = plan["e_idx"], plan["e_off"]
+    e_idx, e_off = layout["e_idx"], layout["e_off"]
     active = meta.active_slots
     shrunk: dict[int, torch.Tensor] = {}  # AT's data_ptr (each slice holds its own view) -> [T_a n_max W]
     for w, off in zip(slices, offsets, strict=True):
@@ -93,7 +93,7 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
             v = torch.embedding_bag(at_table, s_idx, s_off, False, 0, False, xw)[0].view(-1)
             shrunk[at_table.data_ptr()] = v
         # this slice's expand weights, one gather: its columns of v, rows back in their own order
-        vw = v.index_select(0, _bgmv_expand_weights(plan, at_table.shape[1], w.at_col, w.page))
+        vw = v.index_select(0, _bgmv_expand_weights(layout, at_table.shape[1], w.at_col, w.page))
         delta = torch.embedding_bag(bt_table, e_idx, e_off, False, 0, False, vw)[0]  # [T_a, H_out]
         _add_at(y, off, delta, rows)
     return y
@@ -119,8 +119,8 @@ def add_lora_bgmv_compiled(ext, y: torch.Tensor, x: torch.Tensor, slices, meta: 
                  [off for _, off in used], slices[0].page, cpu_ext.vectorized)
     return y
 
-def _bgmv_plan(meta: LoRAMeta, w) -> dict:
-    """Per-step gather plan shared by every layer (cached on meta): the rows with an adapter in
+def _bgmv_layout(meta: LoRAMeta, w) -> dict:
+    """Per-step gather layout shared by every layer (cached on meta): the rows with an adapter in
     their own order (None when all rows have one), each row's pages, and the expand bags.
 
     The shrink runs its bags in adapter order (meta.row_order; `pos` [T_a] is each row's place in
@@ -145,40 +145,40 @@ def _bgmv_plan(meta: LoRAMeta, w) -> dict:
     e_idx = sid[:, None] * w.page + cols[None, :]  # [T_a, n_max page] rank rows of BT viewed [S x R, H_out]
     lengths = pages * w.page
     sid_sorted = slot_ids[order]  # [T_a]
-    plan = {"rows": rows, "n_max": n_max, "e_valid": e_valid,
+    layout = {"rows": rows, "n_max": n_max, "e_valid": e_valid,
             "pos": pos, "sid_sorted": sid_sorted, "pages_sorted": slot_pages[sid_sorted],
             "e_idx": e_idx.flatten() if e_valid is None else e_idx[e_valid],
             "e_off": torch.cumsum(lengths, 0) - lengths}
-    meta._bgmv[w.page] = plan
-    return plan
+    meta._bgmv[w.page] = layout
+    return layout
 
-def _bgmv_expand_weights(plan: dict, width: int, col: int, page: int) -> torch.Tensor:
+def _bgmv_expand_weights(layout: dict, width: int, col: int, page: int) -> torch.Tensor:
     """[E] positions in the flat shrink output (bags in adapter order, `width` values each) of the
     expand's per-sample weights: for each row in its own order, its valid rank columns col .. col +
-    page of each of its pages (cached in the plan per mirror width and column)."""
+    page of each of its pages (cached in the layout per mirror width and column)."""
     key = ("expand", width, col)
-    if key not in plan:
-        n_max = plan["n_max"]
-        bag = plan["pos"][:, None] * n_max + torch.arange(n_max)[None, :]  # [T_a, n_max] bag of (row, page)
+    if key not in layout:
+        n_max = layout["n_max"]
+        bag = layout["pos"][:, None] * n_max + torch.arange(n_max)[None, :]  # [T_a, n_max] bag of (row, page)
         idx = (bag[:, :, None] * width + col + torch.arange(page)).reshape(bag.shape[0], -1)  # [T_a, n_max page]
-        plan[key] = idx.flatten() if plan["e_valid"] is None else idx[plan["e_valid"]]
-    return plan[key]
+        layout[key] = idx.flatten() if layout["e_valid"] is None else idx[layout["e_valid"]]
+    return layout[key]
 
-def _bgmv_shrink_index(plan: dict, h_in: int):
-    """(indices, offsets, valid) of the shrink bags for inputs of width h_in (cached in the plan):
+def _bgmv_shrink_index(layout: dict, h_in: int):
+    """(indices, offsets, valid) of the shrink bags for inputs of width h_in (cached in the layout):
     bag (t, j) for the t-th row in adapter order (meta.row_order) and j < n_max holds table rows
     (virtual page sid_t + j, h) for h < h_in, i.e. rows (physical slot, first page + j, h) of AT; bags
     past a row's own pages are empty (they sum to zero) and valid marks the others (None: all)."""
     key = ("shrink", h_in)
-    if key not in plan:
-        j = torch.arange(plan["n_max"])
-        sid = plan["sid_sorted"]  # [T_a]
+    if key not in layout:
+        j = torch.arange(layout["n_max"])
+        sid = layout["sid_sorted"]  # [T_a]
         page_row = (sid[:, None] + j[None, :]) * h_in  # [T_a, n_max] (sid_t + j) x H_in
         idx = page_row[:, :, None] + torch.arange(h_in)  # [T_a, n_max, H_in]
         valid = None  # some row spans fewer than n_max pages: [T_a, n_max]
-        if plan["e_valid"] is not None:
-            valid = j[None, :] < plan["pages_sorted"][:, None]
-        lengths = torch.full((idx.shape[0] * plan["n_max"],), h_in) if valid is None else valid.flatten() * h_in
-        plan[key] = (idx.flatten() if valid is None else idx[valid].flatten(),
+        if layout["e_valid"] is not None:
+            valid = j[None, :] < layout["pages_sorted"][:, None]
+        lengths = torch.full((idx.shape[0] * layout["n_max"],), h_in) if valid is None else valid.flatten() * h_in
+        layout[key] = (idx.flatten() if valid is None else idx[valid].flatten(),
                      torch.cumsum(lengths, 0) - lengths, valid)
-    return plan[key]
+    return layout[key]

@@ -181,7 +181,7 @@ def attach_fused_shrink(linear: nn.Linear, slices: Sequence[LoRAWeights],
     w0.fused = FusedShrink(weight, bias, out, cap_pages)
     return w0.fused
 
-def fused_plan(meta: LoRAMeta, page: int, k: int, cap_pages: int) -> dict | None:
+def fused_layout(meta: LoRAMeta, page: int, k: int, cap_pages: int) -> dict | None:
     """Where every active adapter's shrink columns are in the fused GEMM's output (cached on meta per
     arguments); None when their pages exceed `cap_pages` or there are none. Returned: slots,
     page_ids ([n] virtual pages in column order), cols (E = n x k x page), col_slot ([E] the slot of
@@ -192,29 +192,29 @@ def fused_plan(meta: LoRAMeta, page: int, k: int, cap_pages: int) -> dict | None
     key = (page, k, cap_pages)
     if key not in meta._fused:
         pages = {s: -(-meta.slot_ranks[s] // page) for s in meta.seg_slots_list}
-        plan = None
+        layout = None
         if 0 < sum(pages.values()) <= cap_pages:
             slots = sorted(pages)
             page_ids = [p for s in slots for p in range(s, s + pages[s])]
             col_slot = [s for s in slots for _ in range(pages[s] * k * page)]
-            plan = {"slots": slots, "page_ids": torch.tensor(page_ids, dtype=torch.int64), "cols": len(col_slot),
+            layout = {"slots": slots, "page_ids": torch.tensor(page_ids, dtype=torch.int64), "cols": len(col_slot),
                     "col_slot": torch.tensor(col_slot, dtype=torch.int64), "key": tuple(page_ids)}
-        meta._fused[key] = plan
+        meta._fused[key] = layout
     return meta._fused[key]
 
-def fill_fused_rows(fs, slices, plan: dict) -> None:
-    """Write the plan's adapters' A rows under the base weight of `fs` (a `FusedShrink`), and their
+def fill_fused_rows(fs, slices, layout: dict) -> None:
+    """Write the layout's adapters' A rows under the base weight of `fs` (a `FusedShrink`), and their
     scaled B pages for the packed expand, unless they already hold them (same pages, no slot write
     since). Rows past an adapter's rank inside its pages are zero in the slot buffers."""
-    key = (plan["key"], tuple(w.version for w in slices))
+    key = (layout["key"], tuple(w.version for w in slices))
     if fs.key == key:
         return
-    k, page, n = len(slices), slices[0].page, len(plan["key"])
-    ext = fs.weight[fs.out:fs.out + plan["cols"]].view(n, k, page, -1)  # [n, k, page, H_in]
+    k, page, n = len(slices), slices[0].page, len(layout["key"])
+    ext = fs.weight[fs.out:fs.out + layout["cols"]].view(n, k, page, -1)  # [n, k, page, H_in]
     bts = []
     for i, w in enumerate(slices):
-        ext[:, i].copy_(w.A.view(-1, page, w.A.shape[2]).index_select(0, plan["page_ids"]))
-        bts.append(w.BT.view(-1, page, w.BT.shape[2]).index_select(0, plan["page_ids"]))  # [n, page, H_out_i]
+        ext[:, i].copy_(w.A.view(-1, page, w.A.shape[2]).index_select(0, layout["page_ids"]))
+        bts.append(w.BT.view(-1, page, w.BT.shape[2]).index_select(0, layout["page_ids"]))  # [n, page, H_out_i]
     if k > 1 and n * page <= BLOCK_DIAGONAL_MAX_COLUMNS:  # one expand matmul for all slices
         bd = bts[0].new_zeros(n, k, page, fs.out)
         off = 0
@@ -226,24 +226,24 @@ def fill_fused_rows(fs, slices, plan: dict) -> None:
         fs.expand = [bt.reshape(-1, bt.shape[2]) for bt in bts]
     fs.key = key
 
-def add_lora_fused_packed(y: torch.Tensor, v: torch.Tensor, slices, meta: LoRAMeta, plan: dict,
+def add_lora_fused_packed(y: torch.Tensor, v: torch.Tensor, slices, meta: LoRAMeta, layout: dict,
                           fs) -> torch.Tensor:
     """The packed path's expand after a fused shrink: y [T, sum H_out] (the base columns of the fused
     GEMM's output), v [T, E] (its shrink columns, every active adapter's). Rows take only their own
     adapter's columns (masked by assignment, as `add_lora_packed`); rows without an adapter are neither
     read nor written. B comes scaled from the BT mirrors. Returns y."""
-    if "rows" not in plan:
+    if "rows" not in layout:
         rows = meta.row_order if meta.row_order.numel() < meta.num_tokens else None
         sid = meta.slot_ids.to(torch.int64)
         sid = sid if rows is None else sid[rows]
-        plan["rows"] = rows
-        plan["mask"] = None if len(plan["slots"]) == 1 else sid[:, None] == plan["col_slot"][None, :]
-    rows, mask = plan["rows"], plan["mask"]
+        layout["rows"] = rows
+        layout["mask"] = None if len(layout["slots"]) == 1 else sid[:, None] == layout["col_slot"][None, :]
+    rows, mask = layout["rows"], layout["mask"]
     if rows is not None:
         v = v.index_select(0, rows)  # [T_a, E]
     if mask is not None:
         v = torch.where(mask, v, torch.zeros((), dtype=v.dtype))
-    k, page, n = len(slices), slices[0].page, len(plan["key"])
+    k, page, n = len(slices), slices[0].page, len(layout["key"])
     if len(fs.expand) == 1 and k > 1:
         deltas = [(0, v @ fs.expand[0])]  # block-diagonal: [T_a, sum H_out]
     else:
@@ -258,15 +258,15 @@ def add_lora_fused_packed(y: torch.Tensor, v: torch.Tensor, slices, meta: LoRAMe
 
 
 def fused_linear(x: torch.Tensor, linear: nn.Linear, slices: Sequence[LoRAWeights], meta: LoRAMeta,
-                 plan: dict) -> torch.Tensor:
+                 layout: dict) -> torch.Tensor:
     """linear(x) plus the packed adapters' deltas with the shrink inside the base GEMM: x [T, H_in] ->
-    [T, sum H_out] (a view of the wider output). `plan` from `fused_plan`. Raises RuntimeError when the
+    [T, sum H_out] (a view of the wider output). `layout` from `fused_layout`. Raises RuntimeError when the
     linear's weight was re-bound after `attach_fused_shrink`."""
     fs = slices[0].fused
     if linear.weight.data_ptr() != fs.weight.data_ptr() or linear.weight.dtype != fs.weight.dtype:
         raise RuntimeError("the linear's weight was re-bound after attach_fused_shrink (load_state_dict with "
                            "assign=True, .to(dtype)?): it no longer shares the buffer with the shrink rows")
-    fill_fused_rows(fs, slices, plan)
-    n = fs.out + plan["cols"]
+    fill_fused_rows(fs, slices, layout)
+    n = fs.out + layout["cols"]
     y_ext = F.linear(x, fs.weight[:n], None if fs.bias is None else fs.bias[:n])  # [T, H_out + E]
-    return add_lora_fused_packed(y_ext[:, :fs.out], y_ext[:, fs.out:], slices, meta, plan, fs)
+    return add_lora_fused_packed(y_ext[:, :fs.out], y_ext[:, fs.out:], slices, meta, layout, fs)

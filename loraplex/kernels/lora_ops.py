@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from loraplex.kernels.cpu_bgmv import add_lora_bgmv, add_lora_dense_segments, split_long_segments
-from loraplex.kernels.cpu_packed import add_lora_packed, fused_linear, fused_plan
+from loraplex.kernels.cpu_packed import add_lora_packed, fused_layout, fused_linear
 from loraplex.kernels.metadata import LoRAMeta
 from loraplex.kernels.reference import add_lora_segmented
 from loraplex.kernels.weights import LoRAWeights
@@ -59,10 +59,10 @@ def lora_linear(x: torch.Tensor, linear: nn.Linear, slices: Sequence[LoRAWeights
     if all(w.live.isdisjoint(meta.active_slots) for w in slices):
         return linear(x)  # no adapter of this step targets this projection (q/k/v/o-only adapters on the MLP)
     backend = _pick_backend(x, meta, slices)
-    plan = fused_plan(meta, slices[0].page, len(slices), fs.cap_pages) if backend == "packed" else None
-    if plan is None:
+    layout = fused_layout(meta, slices[0].page, len(slices), fs.cap_pages) if backend == "packed" else None
+    if layout is None:
         return _dispatch(linear(x), x, slices, meta, _offsets(slices), backend)
-    return fused_linear(x, linear, slices, meta, plan)
+    return fused_linear(x, linear, slices, meta, layout)
 
 def _offsets(slices: Sequence[LoRAWeights]) -> list[int]:
     """Each slice's first column when the slices' outputs sit side by side."""

@@ -45,7 +45,7 @@ class LoRAMeta:
     _packed: dict | None = None
     _bgmv: dict | None = None
     _split: tuple | None = None
-    _fused: dict | None = None  # fused-shrink plans (see `reference.fused_plan`)
+    _fused: dict | None = None  # fused-shrink column layouts (see `cpu_packed.fused_layout`)
     _active_ranks: int | None = None  # N, the sum of the active slots' ranks (CPU path choice)
     _row_tiles: dict | None = None
 

@@ -179,7 +179,7 @@ class Generation:
         """Queue the call's requests, all or none. Raises ValueError (input the engine refuses) or
         EngineOverloadedError (its waiting queue is full) with nothing queued."""
         rids = [f"{request_id}-{i}" for i in range(len(params))]
-        deltas = await service.llm.submit(prompts, params, rids, adapter=adapter, tenant_id=str(tenant_id))
+        deltas = await service.llm.submit(prompts, params, rids, adapter=adapter, tenant_id=tenant_id)
         return cls(service, rids, deltas)
 
     @property

@@ -47,9 +47,9 @@ def batch_of_eight(tokenizer) -> list[tuple[list[int], SamplingParams, str | Non
     """8 requests of two tenants: a's on the base model (greedy and seeded sampling), b's on its adapter."""
     rows = []
     for i, q in enumerate(QUESTIONS):
-        tenant = "a" if i % 2 == 0 else "b"
+        tenant = 1 if i % 2 == 0 else 2  # tenant 1 on the base model, 2 on its adapter
         params = SamplingParams(max_tokens=12, temperature=0 if i % 4 < 2 else 0.8, seed=i, ignore_eos=True)
-        rows.append((chat_ids(tokenizer, q), params, None if tenant == "a" else "tenant-b-adapter", tenant))
+        rows.append((chat_ids(tokenizer, q), params, None if tenant == 1 else "tenant-b-adapter", tenant))
     return rows
 
 
@@ -63,7 +63,7 @@ def run(engine: LLMEngine, rows, poisoned: list[int] | None = None, join_after: 
     while engine.has_unfinished_requests():
         if poisoned is not None and num_steps == join_after:
             engine.add_request(poisoned, SamplingParams(max_tokens=12, temperature=0), request_id="poison-0",
-                               tenant_id="a")
+                               tenant_id=1)
         for out in engine.step():
             if out.finished:
                 finals[out.request_id] = out
@@ -102,7 +102,7 @@ def test_out_of_vocab_values_are_refused_before_anything_is_queued(engine, token
             engine.add_requests([ids, ids], [SamplingParams(), params])
         assert e.value.param == param and f"{vocab}" in str(e.value)
     assert not engine.has_unfinished_requests() and not engine.requests
-    out = run(engine, [(ids, SamplingParams(top_k=vocab, temperature=1.0, seed=1, max_tokens=2), None, "a")])
+    out = run(engine, [(ids, SamplingParams(top_k=vocab, temperature=1.0, seed=1, max_tokens=2), None, 1)])
     assert out["row-0"].finish_reason in ("stop", "length")  # top_k = vocab size is the largest allowed
 
 
