@@ -19,7 +19,7 @@ from loraplex.platform.errors import shutting_down
 from loraplex.platform.metrics import Metrics
 from loraplex.platform.quotas.memory import MemoryBackend
 from loraplex.platform.quotas.service import QuotaService
-from loraplex.platform.tenant_adapters import adopt_legacy_files
+from loraplex.platform.store_migrations import adopt_legacy_files
 from loraplex.platform.usage import UsageWriter, tokens_since
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def open_gateway(settings: Settings, engine: EngineClient | None = None, *, migr
     settings.home.mkdir(parents=True, exist_ok=True)
     url = settings.sqlalchemy_url
     if migrate:
-        db.upgrade(url)
+        db.upgrade(url)  # the schema (Alembic); the store's files below, once the store is open
     db_engine = db.make_engine(url, settings.db_pool_size)
     sessions = db.make_session_factory(db_engine)
     with sessions() as s:
@@ -101,7 +101,8 @@ def open_gateway(settings: Settings, engine: EngineClient | None = None, *, migr
     if new_key is not None:
         print(f"\nloraplex: created the admin key (shown once, store it now):\n\n    {new_key}\n", flush=True)
     store = AdapterStore(settings.adapters_dir)
-    adopt_legacy_files(store, sessions)
+    if migrate:
+        adopt_legacy_files(store, sessions)
     if settings.redis_url:
         from loraplex.platform.quotas.redis_backend import RedisBackend
 

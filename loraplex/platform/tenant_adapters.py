@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.adapters.peft import CONFIG_NAME, SAFETENSORS_NAME, AdapterError, load_peft_adapter
-from loraplex.adapters.store import AdapterStore, content_digest
+from loraplex.adapters.store import content_digest
 from loraplex.platform import crud
 from loraplex.platform.engine_client import engine_adapter_name
 from loraplex.platform.errors import conflict, insufficient_quota, invalid_request, not_found, too_large
@@ -35,7 +34,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-LEGACY_DIR_RE = re.compile(r"[0-9a-f]{64}")
 
 
 def check_name(gw: Gateway, name: object) -> str:
@@ -156,23 +154,3 @@ def _forget(gw: Gateway, tenant_id: int, name: str, digest: str) -> None:
         return
     with contextlib.suppress(KeyError):
         gw.store.remove(str(tenant_id), store_name(name, digest))
-
-
-def adopt_legacy_files(store: AdapterStore, sessions: sessionmaker[Session]) -> None:
-    """Gateways before the AdapterStore kept each upload at `<store root>/<digest>/`, with digests in the
-    store's format: put them under their rows' store names and drop the old directories. Idempotent."""
-    for old in sorted(store.root.iterdir()):
-        if not (LEGACY_DIR_RE.fullmatch(old.name) and old.is_dir()):
-            continue
-        with sessions() as s:
-            rows = crud.adapters_with_digest(s, old.name)
-        try:
-            config = (old / CONFIG_NAME).read_bytes()
-            for row in rows:
-                with contextlib.suppress(FileExistsError):
-                    store.put(str(row.tenant_id), store_name(row.name, row.digest), config,
-                              old / SAFETENSORS_NAME)
-        except FileNotFoundError:  # another process starting at the same time moved it
-            continue
-        shutil.rmtree(old, ignore_errors=True)
-        logger.info("moved the adapter files %s into the store (%d adapters)", old.name, len(rows))

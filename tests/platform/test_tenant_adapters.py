@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from loraplex.adapters.store import AdapterStore
-from loraplex.platform import crud, db, tenant_adapters
+from loraplex.platform import crud, db, store_migrations, tenant_adapters
 from loraplex.platform.config import QuotaDefaults
 from loraplex.platform.errors import APIError
 from loraplex.platform.models import Adapter
@@ -67,8 +67,8 @@ def test_files_of_older_gateways_are_moved_into_the_store(gw, tmp_path):
         for tenant_id, name in ((a, "x"), (b, "y")):
             s.add(Adapter(tenant_id=tenant_id, name=name, digest=GOOD_DIGEST, num_bytes=15, rank=8,
                           target_modules=["q_proj"]))
-    tenant_adapters.adopt_legacy_files(gw.store, gw.sessions)
-    tenant_adapters.adopt_legacy_files(gw.store, gw.sessions)  # every start runs it
+    store_migrations.adopt_legacy_files(gw.store, gw.sessions)
+    store_migrations.adopt_legacy_files(gw.store, gw.sessions)  # every start runs it
     assert files_under(root) == {f"objects/{GOOD_DIGEST}/{n}" for n in GOOD} | {
         f"owners/{a}/x.{GOOD_DIGEST[:16]}.json", f"owners/{b}/y.{GOOD_DIGEST[:16]}.json"}
     with gw.sessions() as s:
