@@ -102,8 +102,11 @@ def ratio_table(main: dict[str, Summary]) -> list[str]:
 
 def _plot(path: Path, series: dict[str, tuple[list[float], list[float]]], xlabel: str, ylabel: str,
           logx: bool = False) -> None:
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:  # a machine with torch and Triton only (the lent GPU's): tables without plots
+        print(f"matplotlib is not installed: {path.name} not drawn")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -117,6 +120,7 @@ def _plot(path: Path, series: dict[str, tuple[list[float], list[float]]], xlabel
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
 
@@ -124,15 +128,14 @@ def _plot(path: Path, series: dict[str, tuple[list[float], list[float]]], xlabel
 def write(out: Path, bench, *, command: str, elapsed_s: float) -> None:
     """Write the report of `bench` (a finished `loraplex.bench.run.Bench`) to `out`, plots beside it."""
     out = Path(out)
-    plots = out.with_suffix("")
-    plots.mkdir(parents=True, exist_ok=True)
+    plots = out.with_suffix("")  # the plots' folder, made when there is one to draw
     p, results = bench.preset, bench.results
     main = {e.system: e.summary for e in results if e.group == "main"}
     spec = next((e.spec for e in results if e.group == "main"), None)
     lines = [f"# Serving benchmark: {out.stem}", "",
              f"- date {datetime.datetime.now().isoformat(timespec='seconds')}, commit `{commit()}`, "
              f"whole run {elapsed_s / 60:.1f} min",
-             f"- machine: {machine()}",
+             f"- machine: {machine()}; CPU flags: {cpu_flags()}",
              "- matmul peak measured in this run (2048 x 2048 x 2048 products): "
              + ", ".join(f"{str(dt).removeprefix('torch.')} {f / 1e9:.0f} GFLOP/s" for dt, f in bench.peaks.items())
              + f"; MFU = (2 x {bench.flops_per_token / 2e6:.0f}M decoder params x (prompt + output tokens) + "
@@ -142,11 +145,14 @@ def write(out: Path, bench, *, command: str, elapsed_s: float) -> None:
              f"max_cpu_loras {p.max_cpu_loras}, max_num_seqs {p.max_num_seqs}; PEFT batches of {p.peft_batch_size}",
              f"- SLO for goodput: {p.slo}", f"- command: `{command}`", ""]
     if spec is not None:
-        lines += [f"Main workload ({spec.setting}): n = {spec.num_adapters} adapters over {spec.num_tenants} "
-                  f"tenants, Zipf alpha {spec.alpha:g}, gamma arrivals R = {spec.rate:g} req/s cv {spec.cv:g} for "
-                  f"{spec.duration_s:g} s, prompts U[{spec.prompt_len[0]}, {spec.prompt_len[1]}) and outputs "
-                  f"U[{spec.output_len[0]}, {spec.output_len[1]}) tokens, seed {spec.seed}. Every system gets the "
-                  "same requests at the same times, decodes greedily and ignores EOS.", ""]
+        arrivals = (f"{spec.num_requests} requests all at time 0" if spec.rate == float("inf") else
+                    f"gamma arrivals R = {spec.rate:g} req/s cv {spec.cv:g} for {spec.duration_s:g} s")
+        ranks = f"rank {spec.rank}" if spec.setting == "S1" else "ranks 8, 16, 32, 64 in turn"
+        lines += [f"Main workload ({spec.setting}): n = {spec.num_adapters} adapters ({ranks}, on "
+                  f"{'/'.join(m.removesuffix('_proj') for m in p.targets)}) over {spec.num_tenants} tenants, Zipf "
+                  f"alpha {spec.alpha:g}, {arrivals}, prompts U[{spec.prompt_len[0]}, {spec.prompt_len[1]}) and "
+                  f"outputs U[{spec.output_len[0]}, {spec.output_len[1]}) tokens, seed {spec.seed}. Every system gets "
+                  "the same requests at the same times, decodes greedily and ignores EOS.", ""]
     lines += ["## Side by side", ""]
     lines += summary_table([(NAMES[k], v) for k, v in main.items()])
     lines += ["", *ratio_table(main), "",
@@ -197,5 +203,13 @@ def write(out: Path, bench, *, command: str, elapsed_s: float) -> None:
         lines += ["## Popularity and ranks (S1: one rank; S2: ranks 8, 16, 32, 64)", ""]
         lines += summary_table([(f"{e.spec.setting}, n = {e.spec.num_adapters}, alpha = {e.spec.alpha:g}", e.summary)
                                 for e in alpha])
+        lines.append("")
+    if bench.cold_loads:
+        lines += ["## Cold loads of one adapter", "",
+                  f"Adapters on {'/'.join(m.removesuffix('_proj') for m in p.targets)}, fp32 files, medians of 3 "
+                  "(`Bench.measure_cold_load`).", "",
+                  "| rank | disk -> host, every check (ms) | disk -> host, by read plan (ms) | host -> slot (ms) |",
+                  "| ---: | ---: | ---: | ---: |"]
+        lines += [f"| {r} | {a * 1e3:.1f} | {b * 1e3:.1f} | {c * 1e3:.1f} |" for r, a, b, c in bench.cold_loads]
         lines.append("")
     out.write_text("\n".join(lines) + "\n")

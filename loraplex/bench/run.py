@@ -4,6 +4,9 @@
     loraplex bench --preset full --out docs/benchmarks/full.md
     loraplex bench --preset gpu-s1                # Llama-2-7B shapes, dummy weights, on a GPU
     loraplex bench --preset small --trace my.jsonl  # replay a trace instead of the main workload
+    loraplex bench --preset engine-throughput --threads 1   # offline: ours vs PEFT vs static batching, fp32
+    loraplex bench --preset adapter-paging        # 1 to 1,024 Zipf adapters in 8 slots against base-only
+    loraplex bench --preset adapter-paging-all    # the same with adapters on all seven projections
 
 A preset is one main workload (setting S1, n adapters, Zipf alpha, rate R) that every system runs
 with the same prompts, then three sweeps of our engine: R (with static batching and base-only beside
@@ -30,7 +33,8 @@ from loraplex.bench import report
 from loraplex.bench.metrics import SLO, RequestRecord, RunStats, Summary, matmul_peak_flops, summarize
 from loraplex.bench.workload import Workload, WorkloadSpec, generate, read_trace
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # S-LoRA's evaluation setting
+ALL_LINEAR = (*TARGETS, "gate_proj", "up_proj", "down_proj")  # PEFT's "all-linear"
 
 
 @dataclass
@@ -52,6 +56,8 @@ class Preset:
     peft_batch_size: int = 16
     num_files: int = 64
     slo: SLO = field(default_factory=SLO)
+    targets: tuple[str, ...] = TARGETS  # the projections every adapter of the run holds
+    cold_load_ranks: tuple[int, ...] = ()  # ranks whose cold-load times are measured after the sweeps
 
 
 def _small() -> Preset:
@@ -76,7 +82,28 @@ def _gpu_s1() -> Preset:
                   max_loras=32, max_cpu_loras=256, max_num_seqs=256, slo=SLO(ttft_s=1.0, tpot_s=0.1))
 
 
-PRESETS = {"small": _small, "full": _full, "gpu-s1": _gpu_s1}
+def _engine_throughput() -> Preset:
+    # Offline throughput (all requests at time 0): continuous batching against transformers + PEFT's
+    # mixed-adapter generate and against our static batching, 128 requests uniform over 16 adapters of
+    # ranks 8/16/32/64 (S2), fp32 so that greedy tokens must equal PEFT's on every row.
+    main = WorkloadSpec(num_adapters=16, alpha=0.0, rate=float("inf"), num_requests=128, prompt_len=(16, 257),
+                        output_len=(16, 129), setting="S2", num_tenants=16)
+    return Preset(dtype="float32", main=main, systems=("engine", "peft", "static"), rates=(), num_adapters=(),
+                  alphas=(), max_loras=16, max_cpu_loras=16, max_num_seqs=64, peft_batch_size=16)
+
+
+def _adapter_paging(targets: tuple[str, ...] = TARGETS) -> Preset:
+    # Many distinct adapters against the base model alone: 256 requests at once, Zipf (alpha 1) over n
+    # adapters of rank 8, 8 slots of rank 64 (64 rank-8 pages) and 64 in host memory, so adapters page
+    # disk -> CPU -> slot during the run (S-LoRA's evaluation shape, scaled to a CPU).
+    main = WorkloadSpec(num_adapters=256, alpha=1.0, rate=float("inf"), num_requests=256, prompt_len=(8, 65),
+                        output_len=(8, 65), num_tenants=16)
+    return Preset(main=main, systems=("engine", "base"), rates=(), num_adapters=(1, 16, 256, 1024), alphas=(),
+                  max_loras=8, max_cpu_loras=64, max_num_seqs=64, targets=targets, cold_load_ranks=(8, 16, 32, 64))
+
+
+PRESETS = {"small": _small, "full": _full, "gpu-s1": _gpu_s1, "engine-throughput": _engine_throughput,
+           "adapter-paging": _adapter_paging, "adapter-paging-all": lambda: _adapter_paging(ALL_LINEAR)}
 
 
 @dataclass
@@ -116,23 +143,25 @@ class Bench:
         self._peft = None
         self._done: dict[tuple[str, str], tuple[Summary, list[RequestRecord]]] = {}
         self.main_workload: Workload | None = None
+        self.cold_loads: list[tuple[int, float, float, float]] = []  # (rank, seconds: every check, by plan, slot)
 
     # adapters -----------------------------------------------------------------------------------
     def ensure_adapters(self, spec: WorkloadSpec | None, names: list[str]) -> None:
-        """Write (once per file) and register every adapter the spec can name, and any other of `names`
-        (a trace's) as a rank-`preset.main.rank` adapter."""
+        """Write (once per file) and register the adapters `names` (those a workload draws): of the rank the
+        spec gives each, or `preset.main.rank` for a name the spec does not know (a trace's). Only drawn
+        ones: registering validates a file, which on 7B shapes reads tens of MB each."""
         from loraplex.adapters.synthetic import write_random_adapter
 
         cfg = self.llm.engine.model_config
-        ranked = [(name, spec.adapter_rank(i), spec.setting) for i, name in enumerate(spec.adapter_names())] if spec else []
-        ranked += [(name, self.preset.main.rank, "S1") for name in names]
-        for i, (name, rank, setting) in enumerate(ranked):
+        known = {name: (i, spec.adapter_rank(i), spec.setting) for i, name in enumerate(spec.adapter_names())} if spec else {}
+        for j, name in enumerate(names):
             if name in self.adapter_dirs:
                 continue
+            i, rank, setting = known.get(name, (len(known) + j, self.preset.main.rank, "S1"))
             file_index = i % self.preset.num_files
-            path = self.workdir / f"{setting}-r{rank}-f{file_index}"
+            path = self.workdir / f"{setting}-r{rank}-t{len(self.preset.targets)}-f{file_index}"
             if not path.exists():
-                write_random_adapter(path, cfg, r=rank, alpha=2 * rank, targets=TARGETS, seed=file_index)
+                write_random_adapter(path, cfg, r=rank, alpha=2 * rank, targets=self.preset.targets, seed=file_index)
             self.llm.load_adapter(name, path)
             self.adapter_dirs[name] = path
 
@@ -202,6 +231,40 @@ class Bench:
             for alpha in p.alphas:
                 s = replace(p.main, num_adapters=p.alpha_num_adapters, alpha=alpha, setting=setting)
                 self.measure("alpha", s, "engine", generate(s))
+        for rank in p.cold_load_ranks:
+            self.measure_cold_load(rank)
+
+    def measure_cold_load(self, rank: int, repeats: int = 3) -> None:
+        """Seconds to bring one adapter of `rank` from disk into host memory, through every check (as after
+        its file changed) and by its read plan (what a load of the registered, unchanged file does), and
+        from host memory into a slot (`AdapterManager.acquire`, evicting unpinned adapters if needed);
+        medians of `repeats`. The first read of a larger file grows the reused read buffer: not counted."""
+        from statistics import median
+
+        from loraplex.adapters.synthetic import write_random_adapter
+
+        mgr, name, path = self.llm.engine.adapters, f"cold-r{rank}", self.workdir / f"cold-r{rank}"
+        write_random_adapter(path, self.llm.engine.model_config, r=rank, alpha=rank, targets=self.preset.targets,
+                             seed=rank)
+        self.llm.load_adapter(name, path)
+        read_plan = mgr.registry[name].read_plan
+
+        def timed(*args) -> float:
+            t0 = time.perf_counter()
+            mgr.read(*args)
+            return time.perf_counter() - t0
+
+        full = median(timed(name, path) for _ in range(repeats))
+        mgr.read(name, path, read_plan)
+        planned = median(timed(name, path, read_plan) for _ in range(repeats))
+        mgr.host.entries[name], _ = mgr.read(name, path, read_plan)
+        t0 = time.perf_counter()
+        mgr.acquire(name)
+        slot = time.perf_counter() - t0
+        mgr.release(name)
+        self.llm.unload_adapter(name)
+        self.cold_loads.append((rank, full, planned, slot))
+        print(f"  cold load rank {rank}: {full * 1e3:.1f} / {planned * 1e3:.1f} / {slot * 1e3:.1f} ms", flush=True)
 
 
 def _label(spec: WorkloadSpec | None) -> str:
@@ -223,9 +286,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", help="comma-separated subset of engine,static,peft,base,http for the main workload")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch CPU threads")
+    ap.add_argument("--model", help="the preset's model instead (e.g. smollm2-135m-shapes with --load-format dummy)")
+    ap.add_argument("--load-format", choices=("auto", "dummy"), help="dummy: random weights, no model file")
+    ap.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory, instead of the preset's")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     preset = PRESETS[args.preset]()
+    overrides = {"model": args.model, "load_format": args.load_format, "max_cpu_loras": args.max_cpu_loras}
+    preset = dataclasses.replace(preset, **{k: v for k, v in overrides.items() if v is not None})
     preset.main = replace(preset.main, seed=args.seed)
     if args.systems:
         systems = tuple(args.systems.split(","))

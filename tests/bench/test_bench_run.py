@@ -96,7 +96,7 @@ def test_dummy_weights_skip_peft_and_http_and_draw_prompts_below_the_vocabulary(
 def test_cli_help_lists_the_presets():
     out = subprocess.run([sys.executable, "-m", "loraplex.cli", "bench", "--help"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert "{full,gpu-s1,small}" in out.stdout
+    assert "{adapter-paging,adapter-paging-all,engine-throughput,full,gpu-s1,small}" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "loraplex.cli", "bench", "--preset", "nope"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "invalid choice: 'nope'" in bad.stderr
@@ -144,3 +144,27 @@ def test_cli_refuses_bad_arguments_before_loading_the_model(args, message):
     out = subprocess.run([sys.executable, "-m", "loraplex.cli", "bench", *args], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_offline_all_at_once_workload_on_seven_projections_with_cold_loads(tmp_path):
+    """The shape of the engine-throughput and adapter-paging presets (every request at time 0, adapters on
+    all seven projections, the cold-load table), at tiny shapes."""
+    from loraplex.bench.run import ALL_LINEAR
+
+    main = WorkloadSpec(num_adapters=3, rate=float("inf"), num_requests=6, prompt_len=(4, 8), output_len=(2, 4),
+                        setting="S2")
+    preset = Preset(model="tiny-llama", load_format="dummy", dtype="float32", main=main, systems=("engine", "base"),
+                    rates=(), num_adapters=(1, 3), alphas=(), max_loras=2, targets=ALL_LINEAR, cold_load_ranks=(8, 16))
+    b = Bench(preset, tmp_path)
+    b.run()
+    assert all(r.arrival_s == 0.0 for r in b.main_workload.requests)
+    assert [(e.group, e.system) for e in b.results] == [("main", "engine"), ("main", "base"), ("adapters", "engine"),
+                                                          ("adapters", "engine")]
+    assert all(r.ok for e in b.results for r in e.records)
+    assert [r for r, *_ in b.cold_loads] == [8, 16] and all(t > 0 for _, *ts in b.cold_loads for t in ts)
+    mgr = b.llm.engine.adapters
+    assert "cold-r8" not in mgr and all(len(mgr.host[n].stacked) == 7 for n in mgr.host.entries)
+    report.write(tmp_path / "offline.md", b, command="x", elapsed_s=1.0)
+    text = (tmp_path / "offline.md").read_text()
+    assert "6 requests all at time 0" in text and "on q/k/v/o/gate/up/down" in text
+    assert re.search(r"\| 16 \| \d+\.\d \| \d+\.\d \| \d+\.\d \|", text)
