@@ -29,9 +29,10 @@ from loraplex.adapters.peft import AdapterError
 from loraplex.engine.errors import EngineOverloadedError
 from loraplex.engine.sampling_params import ParamError, SamplingParams, check_stop_token_ids, check_top_k
 from loraplex.platform import crud, tenant_adapters
+from loraplex.platform.adapter_names import engine_name
 from loraplex.platform.api.deps import Caller, QuotaGate
 from loraplex.platform.completion_response import response_body, stream
-from loraplex.platform.engine_client import Generation, engine_adapter_name
+from loraplex.platform.engine_client import Generation
 from loraplex.platform.errors import (
     APIError,
     engine_overloaded,
@@ -142,7 +143,7 @@ async def resolve_model(gw: Gateway, tenant_id: int, model: str) -> Target:
     if path is None:
         raise unavailable(f"The adapter `{row.name}` could not be loaded: its files are missing.",
                           code="adapter_load_failed")
-    return Target(row.name, engine_adapter_name(tenant_id, row.name, row.digest), str(path))
+    return Target(row.name, engine_name(tenant_id, row.name, row.digest), str(path))
 
 
 def check_fan_out(gw: Gateway, kind: str, n: int, num_prompts: int) -> None:

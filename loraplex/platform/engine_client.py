@@ -1,8 +1,7 @@
 """The gateway's client of the engine (`AsyncLLM` in this process): tenant adapters in the engine,
 running requests and their fan-out into choices, tokenization, engine stats.
 
-Engine adapter names are unique across tenants and versions: `<tenant_id>:<name>:<digest[:16]>`, so a
-re-uploaded adapter never reuses a stale registration. Adapters are registered on first use (several
+Adapters are registered under their engine names (`adapter_names.engine_name`) on first use (several
 gateway processes each load what their own requests need). The gateway counts its requests per
 adapter: deleting an adapter waits for them to finish, then unregisters it.
 """
@@ -21,10 +20,6 @@ from loraplex.engine.request import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-def engine_adapter_name(tenant_id: int, name: str, digest: str) -> str:
-    return f"{tenant_id}:{name}:{digest[:16]}"
 
 
 class EngineClient:

@@ -98,7 +98,7 @@ class Quota(Base):
 
 class Adapter(Base):
     """A tenant's adapter. `digest` is its files' `loraplex.adapters.store.content_digest`; they are the
-    AdapterStore entry `<name>.<digest[:16]>` of owner `<tenant_id>` (see `tenant_adapters`)."""
+    AdapterStore entry `adapter_names.store_name` of owner `adapter_names.store_owner`."""
 
     __tablename__ = "adapters"
     __table_args__ = (UniqueConstraint("tenant_id", "name"),)

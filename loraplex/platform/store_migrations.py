@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from loraplex.adapters.peft import CONFIG_NAME, SAFETENSORS_NAME
 from loraplex.adapters.store import AdapterStore
 from loraplex.platform import crud
-from loraplex.platform.tenant_adapters import store_name
+from loraplex.platform.adapter_names import store_name, store_owner
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def adopt_legacy_files(store: AdapterStore, sessions: sessionmaker[Session]) -> 
             config = (old / CONFIG_NAME).read_bytes()
             for row in rows:
                 with contextlib.suppress(FileExistsError):
-                    store.put(str(row.tenant_id), store_name(row.name, row.digest), config,
+                    store.put(store_owner(row.tenant_id), store_name(row.name, row.digest), config,
                               old / SAFETENSORS_NAME)
         except FileNotFoundError:  # another process starting at the same time moved it
             continue

@@ -1,10 +1,9 @@
 """A tenant's adapters: add (validate with the engine's own checks, store, record) and delete.
 
 Shared by `/v1/adapters` and the admin API (and the dashboard of issue 7). The files live in the
-gateway's AdapterStore, owner = tenant id, one entry per version: `<name>.<digest[:16]>` (like the
-engine's `<tenant_id>:<name>:<digest[:16]>`). A deleted adapter keeps its entry until its running
-requests end, so the name is free at once and a re-upload under it never shares an entry with the
-version going away. The database row says what a tenant has; the store shares the bytes.
+gateway's AdapterStore, one entry per version (the names: `adapter_names.py`). A deleted adapter keeps
+its entry until its running requests end, so the name is free at once and a re-upload under it never
+shares an entry with the version going away. The database row says what a tenant has; the store shares the bytes.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from sqlalchemy.exc import IntegrityError
 from loraplex.adapters.peft import CONFIG_NAME, SAFETENSORS_NAME, AdapterError, load_peft_adapter
 from loraplex.adapters.store import content_digest
 from loraplex.platform import crud
-from loraplex.platform.engine_client import engine_adapter_name
+from loraplex.platform.adapter_names import engine_name, store_name, store_owner
 from loraplex.platform.errors import conflict, insufficient_quota, invalid_request, not_found, too_large
 from loraplex.platform.models import Adapter
 from loraplex.platform.openai_responses import AdapterCard
@@ -53,13 +52,9 @@ def adapter_card(base_model: str, row: Adapter) -> AdapterCard:
                        last_used_at=row.last_used_at.isoformat() + "Z" if row.last_used_at else None)
 
 
-def store_name(name: str, digest: str) -> str:
-    return f"{name}.{digest[:16]}"
-
-
 def adapter_dir(gw: Gateway, row: Adapter) -> Path:
     """The PEFT directory of a row's files. KeyError if the store lacks them."""
-    return gw.store.path(str(row.tenant_id), store_name(row.name, row.digest))
+    return gw.store.path(store_owner(row.tenant_id), store_name(row.name, row.digest))
 
 
 def _unpack_and_validate(gw: Gateway, tmp: Path, files: dict[str, BinaryIO]) -> tuple[int, list[str]]:
@@ -90,7 +85,7 @@ def _store_and_record(gw: Gateway, tenant_id: int, name: str, tmp: Path, rank: i
     digest = content_digest(config, tensors)
     # Exists: the same bytes under this name, from a deleted version still unloading or a concurrent upload.
     with contextlib.suppress(FileExistsError):
-        gw.store.put(str(tenant_id), store_name(name, digest), config, tensors, digest=digest)
+        gw.store.put(store_owner(tenant_id), store_name(name, digest), config, tensors, digest=digest)
     try:
         with gw.sessions.begin() as s:
             row = Adapter(tenant_id=tenant_id, name=name, digest=digest, num_bytes=num_bytes, rank=rank,
@@ -142,7 +137,7 @@ async def delete_adapter(gw: Gateway, tenant_id: int, name: str) -> None:
 
 
 async def _unload(gw: Gateway, row: Adapter) -> None:
-    await gw.engine.remove_adapter(engine_adapter_name(row.tenant_id, row.name, row.digest))
+    await gw.engine.remove_adapter(engine_name(row.tenant_id, row.name, row.digest))
     await asyncio.to_thread(_forget, gw, row.tenant_id, row.name, row.digest)
 
 
@@ -153,4 +148,4 @@ def _forget(gw: Gateway, tenant_id: int, name: str, digest: str) -> None:
     if row is not None and row.digest == digest:
         return
     with contextlib.suppress(KeyError):
-        gw.store.remove(str(tenant_id), store_name(name, digest))
+        gw.store.remove(store_owner(tenant_id), store_name(name, digest))

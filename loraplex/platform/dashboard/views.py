@@ -17,8 +17,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from loraplex.platform import crud
+from loraplex.platform.adapter_names import engine_name
 from loraplex.platform.dashboard.charts import Chart, Series, stacked_bars
-from loraplex.platform.engine_client import engine_adapter_name
 from loraplex.platform.gateway import Gateway
 from loraplex.platform.models import Adapter, ApiKey, Quota, Tenant, UsageDaily
 from loraplex.platform.quotas.limits import Limits, budget_period
@@ -240,7 +240,7 @@ def list_adapters(s: Session, tenant_id: int, number: int, size: int) -> tuple[l
 def adapter_rows(adapters: list[Adapter], tiers: dict[str, str]) -> list[AdapterRow]:
     """`tiers`: engine name -> tier; an adapter this process never loaded is on disk."""
     return [AdapterRow(a.name, a.rank, list(a.target_modules), a.num_bytes,
-                       tiers.get(engine_adapter_name(a.tenant_id, a.name, a.digest), "disk"), a.created_at,
+                       tiers.get(engine_name(a.tenant_id, a.name, a.digest), "disk"), a.created_at,
                        a.last_used_at) for a in adapters]
 
 
