@@ -18,6 +18,7 @@ virtual slot, overwritten and zeroed past its rank), so rows no adapter owns sta
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import time
@@ -122,10 +123,12 @@ class AdapterManager:
     def can_acquire(self, name: str) -> bool:
         """True if a request for `name` can be admitted now.
 
-        Resident and not draining: yes. In host memory with a free or evictable run of pages
-        (`SlotPages.find_run`): yes. Not in host memory: no, the request is skipped for this step (`step`
+        Failed to load or place: no. Resident and not draining: yes. In host memory with a free or evictable
+        run of pages (`SlotPages.find_run`): yes. Not in host memory: no, the request is skipped for this step (`step`
         prefetches it, oldest waiting request first).
         """
+        if name in self.host.failed:
+            return False  # its load or placement failed: `step` ends its requests
         if name in self.pages:
             return name not in self.pages.draining
         if name not in self.host:
@@ -168,14 +171,7 @@ class AdapterManager:
         the next free place and the drain would start over (starving a large adapter).
         """
         pages = self.pages
-        loaded, failed = self.host.poll(lambda n: self.registry[n].epoch if n in self.registry else None)
-        for name in loaded:  # a first load through every check: later loads read by its plan
-            reg = self.registry[name]
-            if reg.read_plan is None and self.host[name].plan is not None:
-                self.registry[name] = dataclasses.replace(reg, read_plan=self.host[name].plan)
-        for name in failed:
-            if pages.reserved is not None and pages.reserved[0] == name:
-                pages.reserve(None)
+        self.poll()
         if num_examined is not None:
             head = waiting[:num_examined]
             blocked = next((a for a in head if a is not None and a not in self.host.failed
@@ -197,8 +193,16 @@ class AdapterManager:
         return self.host.prefetch(name, self.registry[name].epoch, lambda n: not self.pages.is_pinned(n), keep)
 
     def poll(self) -> None:
-        """Take in finished disk loads now (what `step` does first)."""
-        self.step((), None)
+        """Take in the disk loads that finished (engine thread): the engine calls it before each schedule,
+        so admission sees an adapter the step its load lands, and `step` again after admission."""
+        loaded, failed = self.host.poll(lambda n: self.registry[n].epoch if n in self.registry else None)
+        for name in loaded:  # a first load through every check: later loads read by its plan
+            reg = self.registry[name]
+            if reg.read_plan is None and self.host[name].plan is not None:
+                self.registry[name] = dataclasses.replace(reg, read_plan=self.host[name].plan)
+        for name in failed:
+            if self.pages.reserved is not None and self.pages.reserved[0] == name:
+                self.pages.reserve(None)
 
     def forget_failure(self, name: str) -> None:
         """Let the next prefetch of `name` try its load again."""
@@ -234,16 +238,17 @@ class AdapterManager:
         adapter = self.host[name]
         slot, evicted = self.pages.take(name, adapter.rank)
         self.slot_stats.evictions += len(evicted)
-        with self.slots.copying():
-            for _, old in evicted:
-                if old != slot:
-                    self.slots.write(old, None)
-            try:
+        try:
+            with self.slots.copying():
+                for _, old in evicted:
+                    if old != slot:
+                        self.slots.write(old, None)
                 self.slots.write(slot, adapter)
-            except Exception:
+        except BaseException:  # never left resident with rows half written: undo the pages first
+            self.pages.evict(name)
+            with contextlib.suppress(Exception):
                 self.slots.write(slot, None)
-                self.pages.evict(name)
-                raise
+            raise
         self.slot_stats.load_s.append(time.perf_counter() - started)
         return slot
 

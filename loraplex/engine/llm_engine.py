@@ -233,6 +233,7 @@ class LLMEngine:
     # the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, update. Returns a delta for every request that produced a token or finished."""
+        self.adapters.poll()  # loads that landed since the last step are admissible in this one
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.adapters.wait_for_loads(timeout=0.1)  # all that can run waits on adapter loads: no spinning
@@ -286,7 +287,8 @@ class LLMEngine:
         self._forget(req)
         return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                              token_ids=list(req.output_token_ids), text=detok.text if detok else "",
-                             finish_reason=req.finish_reason, adapter=req.adapter, error=req.error)
+                             finish_reason=req.finish_reason, adapter=req.adapter, error=req.error,
+                             adapter_failed=req.adapter_failed)
 
     def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
         detok = self.detokenizers[req.request_id]
@@ -299,7 +301,8 @@ class LLMEngine:
         return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                              token_ids=list(req.output_token_ids), text=detok.text, finish_reason=req.finish_reason,
                              adapter=req.adapter, ttft_s=ttft, latency_s=latency, delta_text=delta,
-                             delta_token_ids=new_tokens, error=req.error)
+                             delta_token_ids=new_tokens, error=req.error,
+                             adapter_failed=req.adapter_failed)
 
 
 def _load_tokenizer(path: Path | None):

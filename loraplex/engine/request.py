@@ -58,6 +58,7 @@ class Request:
     num_preemptions: int = 0
     seed: int = 0
     error: str | None = None  # why the engine ended it early (status FINISHED_ABORTED), for the caller
+    adapter_failed: bool = False  # that reason is its adapter's load or placement (nothing ran)
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is None:
@@ -98,7 +99,8 @@ class RequestOutput:
     ttft_s: seconds from arrival to the first output token; latency_s: arrival to finish.
     error: set when the engine ended the request because of a fault of its own (finish_reason "abort"):
     a failed adapter load, an exception in this request's sampling, stop check or detokenization, or a
-    failed forward pass. None for a request aborted by its caller.
+    failed forward pass. None for a request aborted by its caller. adapter_failed: the error is its
+    adapter's load or placement, so nothing of it ran.
     """
 
     request_id: str
@@ -112,6 +114,7 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     error: str | None = None
+    adapter_failed: bool = False
 
     @property
     def finished(self) -> bool:

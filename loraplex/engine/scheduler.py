@@ -198,6 +198,7 @@ class Scheduler:
         if failed:
             for req in [r for r in self.waiting if r.adapter in failed]:
                 req.error = f"adapter {req.adapter!r} could not be loaded: {failed[req.adapter]}"
+                req.adapter_failed = True
                 self.finish(req, RequestStatus.FINISHED_ABORTED)
                 out.aborted.append(req)
         return out
@@ -227,6 +228,7 @@ class Scheduler:
                 except Exception as exc:  # placing this adapter failed: its requests end, the batch goes on
                     logger.exception("adapter %r could not be placed in a slot", req.adapter)
                     req.error = f"adapter {req.adapter!r} could not be placed in a slot: {exc}"
+                    req.adapter_failed = True
                     self.finish(req, RequestStatus.FINISHED_ABORTED)
                     out.aborted.append(req)
                     continue

@@ -269,7 +269,9 @@ async def finalize(gw: Gateway, gate: QuotaGate, c: Completion, gen: Generation,
     if c.engine_adapter is not None:
         gw.engine.release(c.engine_adapter)
     num_completion = gen.num_completion_tokens
-    await gw.quotas.settle(ticket, c.num_prompt_tokens + num_completion)
+    ran = not all(ch.adapter_failed for ch in gen.choices)  # else its adapter never loaded: nothing is charged
+    num_prompt = c.num_prompt_tokens if ran else 0
+    await gw.quotas.settle(ticket, num_prompt + num_completion, ran=ran)
     if any(ch.error is not None for ch in gen.choices):
         status = "error"
     elif gen.is_cancelled or any(ch.finish_reason == "abort" for ch in gen.choices):
@@ -281,11 +283,11 @@ async def finalize(gw: Gateway, gate: QuotaGate, c: Completion, gen: Generation,
     caller = gate.caller
     gw.usage.record(Usage(request_id=c.request_id, tenant_id=caller.tenant_id, api_key_id=caller.key_id,
                           adapter=c.adapter, endpoint=c.endpoint, status=status,
-                          num_prompt_tokens=c.num_prompt_tokens, num_completion_tokens=num_completion,
+                          num_prompt_tokens=num_prompt, num_completion_tokens=num_completion,
                           ttft_s=min(ttfts) if ttfts else None, latency_s=max(latencies) if latencies else None))
     gw.metrics.observe_request(caller.tenant_name, c.endpoint, status)
     for i, ch in enumerate(gen.choices):
-        gw.metrics.observe_generation(caller.tenant_name, c.num_prompt_tokens if i == 0 else 0,
+        gw.metrics.observe_generation(caller.tenant_name, num_prompt if i == 0 else 0,
                                       len(ch.token_ids), ch.ttft_s, ch.latency_s)
 
 

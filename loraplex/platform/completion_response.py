@@ -29,12 +29,24 @@ def engine_error(message: str = "The engine failed while generating this request
     return unavailable(message, code="engine_error")
 
 
-def _raise_for_errors(gen: Generation) -> None:
-    for c in gen.choices:
-        if c.error is not None:
-            raise engine_error()
-        if c.finish_reason == "abort":  # aborted by the gateway with no fault: shutdown's grace ran out
-            raise shutting_down()
+def adapter_failed(c: Completion, error: str) -> APIError:
+    """The engine could not load or place the call's adapter (its store files damaged since upload): 503,
+    as when its files are missing."""
+    reason = error.split(": ", 1)[-1]
+    return unavailable(f"The adapter `{c.adapter}` could not be loaded: {reason}", code="adapter_load_failed")
+
+
+def error_of(c: Completion, error: str | None, is_adapter_failure: bool) -> APIError:
+    """The answer for a choice the engine ended early: its error, or shutdown when it has none."""
+    if error is None:  # aborted by the gateway with no fault: shutdown's grace ran out
+        return shutting_down()
+    return adapter_failed(c, error) if is_adapter_failure else engine_error()
+
+
+def _raise_for_errors(c: Completion, gen: Generation) -> None:
+    for ch in gen.choices:
+        if ch.error is not None or ch.finish_reason == "abort":
+            raise error_of(c, ch.error, ch.adapter_failed)
 
 
 def usage_body(c: Completion, gen: Generation) -> UsageBody:
@@ -43,7 +55,7 @@ def usage_body(c: Completion, gen: Generation) -> UsageBody:
 
 
 def response_body(c: Completion, gen: Generation) -> ChatCompletion | TextCompletion:
-    _raise_for_errors(gen)
+    _raise_for_errors(c, gen)
     if c.kind == "chat":
         return ChatCompletion(id=c.request_id, created=c.created, model=c.body.model, usage=usage_body(c, gen),
                               choices=[ChatChoice(index=i, message=AssistantMessage(content=ch.text),
@@ -81,7 +93,7 @@ async def stream(c: Completion, gen: Generation, finalized: asyncio.Task):
                 yield chunk(i, None, None, role=True)
         async for i, out in gen.events():
             if out.finish_reason == "abort":
-                yield _sse((engine_error() if out.error is not None else shutting_down()).body())
+                yield _sse(error_of(c, out.error, out.adapter_failed).body())
                 continue
             if out.delta_text:
                 yield chunk(i, out.delta_text, None)

@@ -148,6 +148,7 @@ class Choice:
     ttft_s: float | None = None
     latency_s: float | None = None
     error: str | None = None
+    adapter_failed: bool = False  # the error is its adapter's load or placement: nothing of it ran
 
 
 class Generation:
@@ -202,6 +203,7 @@ class Generation:
         choice.ttft_s = out.ttft_s if out.ttft_s is not None else choice.ttft_s
         choice.latency_s = out.latency_s
         choice.error = out.error
+        choice.adapter_failed = out.adapter_failed
 
     async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         num_open = len(self.choices)

@@ -164,3 +164,32 @@ def test_a_validated_adapter_is_checked_once_on_the_load_thread_then_read_by_pla
     assert "r" in failed["damaged"]
     reread = read_planned(mgr.registry["stored"].read_plan, "stored", torch.float32)  # None: the plan is stale
     assert reread is not None and all(torch.equal(reread.stacked[m].A, mgr.host["stored"].stacked[m].A) for m in reread.stacked)
+
+
+def test_an_adapter_whose_load_lands_is_admitted_in_the_next_step():
+    """The engine takes in finished loads before it schedules: a request for a cold adapter runs in the
+    step right after its load lands (two steps from idle), not a step later."""
+    import tempfile
+
+    from loraplex import LLM, SamplingParams
+
+    llm = LLM("tiny-llama", load_format="dummy", dtype="float32", max_loras=1, max_lora_rank=8,
+              kv_cache_memory=1 << 20)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_random_adapter(f"{tmp}/cold", llm.engine.model_config, r=8, alpha=8)
+        llm.load_adapter("cold", f"{tmp}/cold")
+        engine = llm.engine
+        req = engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), "cold")
+        engine.step()  # skipped (not in host memory); the load starts after admission, the step waits for it
+        engine.adapters.wait_for_loads(30)
+        assert all(f.done() for f, _ in engine.adapters.host.loading.values())  # landed, not yet taken in
+        engine.step()
+        assert req in engine.scheduler.running and req.num_output_tokens == 1
+
+
+def test_a_failed_adapter_is_never_acquired_until_a_new_request_retries_it(manager):
+    mgr = manager
+    mgr.host.failed["a"] = "RuntimeError: no free or evictable pages"
+    assert not mgr.can_acquire("a") and mgr.can_acquire("b")
+    mgr.forget_failure("a")
+    assert mgr.can_acquire("a")

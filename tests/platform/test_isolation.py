@@ -36,7 +36,7 @@ def test_a_poisoned_request_ends_alone(make_tenant, engine_service, gateway):
     batch_sizes = []  # requests running when a's sampling failed: b's 8 and a's
 
     def poison(stage, req):  # tenant a's sampling fails, as a bad sampling value once did
-        if stage == "sample" and req is not None and req.tenant_id == str(a.id):
+        if stage == "sample" and req is not None and req.tenant_id == a.id:
             batch_sizes.append(len(engine.scheduler.running))
             raised.set()
             raise OverflowError("injected: Overflow when unpacking long long")
@@ -73,3 +73,28 @@ def test_a_poisoned_request_ends_alone(make_tenant, engine_service, gateway):
     wait_until(lambda: len(records(a.id)) == 2 and len(records(b.id)) == 16, timeout=20, what="usage")
     assert sorted(r.status for r in records(a.id)) == ["error", "ok"]
     assert {r.status for r in records(b.id)} == {"ok"}
+
+
+def test_an_adapter_whose_store_files_broke_since_upload_costs_nothing(make_tenant, gateway, tmp_path):
+    """Store files are checked at upload and registered without a second parse; one damaged since then
+    fails at its first load, on the load thread: the call answers 503 `adapter_load_failed` with the
+    reason, its quota reservation and RPM unit are refunded, and the base model serves on."""
+    from loraplex.adapters.synthetic import write_random_adapter
+    from loraplex.platform import crud
+    from loraplex.platform.adapter_names import store_name, store_owner
+
+    t = make_tenant(rpm=2)
+    write_random_adapter(tmp_path / "fresh", gateway.engine.model_config, r=8, alpha=8, seed=4242)  # its own digest
+    assert t.upload("fresh", tmp_path / "fresh").status_code == 201
+    with gateway.sessions() as s:
+        row = crud.get_adapter(s, t.id, "fresh")
+    tensors = gateway.store.path(store_owner(t.id), store_name(row.name, row.digest)) / "adapter_model.safetensors"
+    tensors.chmod(0o644)
+    tensors.write_bytes(b"not a safetensors file")
+    for _ in range(3):  # rpm 2: the refunds keep the tenant under it
+        r = t.chat(model="fresh")
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["code"] == "adapter_load_failed" and err["message"].startswith("The adapter `fresh` could not be loaded: ")
+    # the three refused calls cost no RPM unit: the tenant's 2 a minute are still there for the base model
+    assert [t.chat().status_code for _ in range(3)] == [200, 200, 429]
