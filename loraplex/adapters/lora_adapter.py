@@ -28,6 +28,7 @@ class LoRAModule:
     def rank(self) -> int:
         return self.A.shape[0]
 
+
 @dataclass
 class StackedModule:
     """One projection's LoRA weights over all L layers, padded to the adapter's largest rank r for it:
@@ -39,6 +40,7 @@ class StackedModule:
     B: torch.Tensor
     ranks: list[int]
     scalings: list[float]
+
 
 @dataclass
 class LoRAAdapter:
@@ -60,6 +62,7 @@ class LoRAAdapter:
         """{(layer, projection): LoRAModule} for every projection the adapter targets, views into `stacked`."""
         return {(layer, module): LoRAModule(s.A[layer, :r], s.B[layer, :, :r], s.scalings[layer])
                 for module, s in self.stacked.items() for layer, r in enumerate(s.ranks) if r}
+
 
 @dataclass(frozen=True)
 class ReadPlan:

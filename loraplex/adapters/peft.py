@@ -186,8 +186,6 @@ def load_peft_files(
     return adapter
 
 
-
-
 def read_adapter_config(path: str | os.PathLike) -> dict:
     """Parse `path`/adapter_config.json into a dict; AdapterError if missing, too large or not a JSON object."""
     config_path = os.path.join(path, CONFIG_NAME)

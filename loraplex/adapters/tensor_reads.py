@@ -20,8 +20,10 @@ from loraplex.model_config import ModelConfig
 _read_buffer = threading.local()  # each loading thread's file buffer, reused from one read to the next
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
+
 def file_identity(st: os.stat_result) -> tuple[int, ...]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
 
 def _read_unchanged(path: str, identity: tuple[int, ...], buf: bytearray) -> bool:
     """Read the file at `path` into buf[:size] if it is the file `identity` describes and stays so
@@ -31,12 +33,14 @@ def _read_unchanged(path: str, identity: tuple[int, ...], buf: bytearray) -> boo
         return (file_identity(os.fstat(f.fileno())) == identity and f.readinto(memoryview(buf)[:size]) == size
                 and file_identity(os.fstat(f.fileno())) == identity)
 
+
 def _value_range(data: torch.Tensor, dtype: torch.dtype) -> tuple[bool, bool]:
     """(every value of `data` is finite, every value is also within `dtype`'s range): one `aminmax`,
     in which NaN propagates, about 10x cheaper than `isfinite`."""
     lo, hi = (float(v) for v in torch.aminmax(data))
     finite = math.isfinite(lo) and math.isfinite(hi)
     return finite, finite and max(-lo, hi) <= torch.finfo(dtype).max
+
 
 def make_read_plan(adapter: LoRAAdapter, identity: tuple[int, ...], tensors_path: str, header: dict[str, TensorInfo],
                found: dict[tuple[int, str], dict[str, str]], model_config: ModelConfig) -> ReadPlan | None:
@@ -61,6 +65,7 @@ def make_read_plan(adapter: LoRAAdapter, identity: tuple[int, ...], tensors_path
                    for m in adapter.stacked},
         template=template,
     )
+
 
 def read_planned(plan: ReadPlan, name: str, dtype: torch.dtype) -> LoRAAdapter | None:
     """Read the adapter `plan` describes again, as `load_peft_files` would, named `name`, in `dtype`.
@@ -96,6 +101,7 @@ def read_planned(plan: ReadPlan, name: str, dtype: torch.dtype) -> LoRAAdapter |
                                         torch.stack([parts[i] for i in pos_b]).view(num_layers, -1, r),
                                         t.ranks, t.scalings)
     return LoRAAdapter(name, tpl.path, tpl.config, tpl.rank, tpl.num_bytes, stacked, plan)
+
 
 def read_stacked(tensors_path: str, identity: tuple[int, ...], header: dict[str, TensorInfo],
                   found: dict[tuple[int, str], dict[str, str]], specs: dict[tuple[int, str], LoRAModuleSpec],

@@ -18,6 +18,7 @@ from loraplex.kernels.metadata import LoRAMeta, build_lora_meta
 # reading their adapter once for all their rows (the split point is measured: docs/kernels.md).
 LONG_SEGMENT_ROWS = 128
 
+
 def split_long_segments(meta: LoRAMeta) -> tuple[LoRAMeta | None, LoRAMeta | None]:
     """(meta of the long segments' rows, meta of the other rows), None for a part without rows
     (cached on meta: every layer of the step splits the same way)."""
@@ -30,6 +31,7 @@ def split_long_segments(meta: LoRAMeta) -> tuple[LoRAMeta | None, LoRAMeta | Non
             parts = [[s if s >= 0 and (s in long) == keep else -1 for s in ids] for keep in (True, False)]
             meta._split = tuple(build_lora_meta(p, meta.slot_ids.device, meta.slot_ranks) for p in parts)
     return meta._split
+
 
 def add_lora_dense_segments(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
                             offsets: list[int]) -> torch.Tensor:
@@ -44,6 +46,7 @@ def add_lora_dense_segments(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRA
                 delta = (xs @ w.a_rows(slot, r).T) @ (w.b_cols(slot, r).T * w.scales_list[slot])  # [n, H_out]
                 _add_at(y, off, delta.to(y.dtype), rows)
     return y
+
 
 def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
                   offsets: list[int]) -> torch.Tensor:
@@ -98,6 +101,7 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
         _add_at(y, off, delta, rows)
     return y
 
+
 def add_lora_bgmv_compiled(ext, y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
                            offsets: list[int]) -> torch.Tensor:
     """`add_lora_bgmv` in the compiled kernel `ext` (`cpu_ext.get()`; semantics and roundings in
@@ -118,6 +122,7 @@ def add_lora_bgmv_compiled(ext, y: torch.Tensor, x: torch.Tensor, slices, meta: 
         ext.bgmv(y, x, order, sid, [a for a, _ in flat], [bt for _, bt in flat], [w.ranks for w, _ in used],
                  [off for _, off in used], slices[0].page, cpu_ext.vectorized)
     return y
+
 
 def _bgmv_layout(meta: LoRAMeta, w) -> dict:
     """Per-step gather layout shared by every layer (cached on meta): the rows with an adapter in
@@ -152,6 +157,7 @@ def _bgmv_layout(meta: LoRAMeta, w) -> dict:
     meta._bgmv[w.page] = layout
     return layout
 
+
 def _bgmv_expand_weights(layout: dict, width: int, col: int, page: int) -> torch.Tensor:
     """[E] positions in the flat shrink output (bags in adapter order, `width` values each) of the
     expand's per-sample weights: for each row in its own order, its valid rank columns col .. col +
@@ -163,6 +169,7 @@ def _bgmv_expand_weights(layout: dict, width: int, col: int, page: int) -> torch
         idx = (bag[:, :, None] * width + col + torch.arange(page)).reshape(bag.shape[0], -1)  # [T_a, n_max page]
         layout[key] = idx.flatten() if layout["e_valid"] is None else idx[layout["e_valid"]]
     return layout[key]
+
 
 def _bgmv_shrink_index(layout: dict, h_in: int):
     """(indices, offsets, valid) of the shrink bags for inputs of width h_in (cached in the layout):

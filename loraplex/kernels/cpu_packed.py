@@ -26,6 +26,7 @@ from loraplex.kernels.weights import LoRAWeights
 # 2-core CPU it pays while N (columns per slice) is small.
 BLOCK_DIAGONAL_MAX_COLUMNS = 32
 
+
 def _add_at(y: torch.Tensor, off: int, delta: torch.Tensor, rows: torch.Tensor | None) -> None:
     """y[rows, off:off + width] += delta ([len(rows), width], rows distinct); every row of y when rows
     is None. Picked rows are read, added to and written back (`index_put_`), not `index_add_`: on
@@ -36,6 +37,7 @@ def _add_at(y: torch.Tensor, off: int, delta: torch.Tensor, rows: torch.Tensor |
         ys += delta
     else:
         ys.index_put_((rows,), ys.index_select(0, rows) + delta)
+
 
 def _packed_columns(meta: LoRAMeta, device: torch.device):
     """Columns of the packed path: for each active slot, ranks 0..slot_ranks[s]-1 (cached on meta)."""
@@ -55,6 +57,7 @@ def _packed_columns(meta: LoRAMeta, device: torch.device):
         meta._packed = {"s": s_t, "r": torch.tensor(r_idx, dtype=torch.int64, device=device), "mask": mask,
                         "rows": rows, "all_same": len(meta.seg_slots_list) == 1}
     return meta._packed
+
 
 def add_lora_packed(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
                     offsets: list[int]) -> torch.Tensor:
@@ -88,6 +91,7 @@ def add_lora_packed(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
         _add_at(y, off, (v[:, i * n:(i + 1) * n] @ b).to(y.dtype), rows)  # delta [T_a, H_out]
     return y
 
+
 def _packed_weights(slices, meta: LoRAMeta, s_idx: torch.Tensor, r_idx: torch.Tensor):
     """The active slots' A rows of every slice, scaled and stacked ([k N, H_in]), and each slice's B
     columns ([N, H_out] each). Cached on the first slice: they change only when the active slots or
@@ -104,6 +108,7 @@ def _packed_weights(slices, meta: LoRAMeta, s_idx: torch.Tensor, r_idx: torch.Te
         a = torch.cat(a)
         w0.packed_cache = (key, a.contiguous(), bs, {})
     return w0.packed_cache[1], w0.packed_cache[2]
+
 
 def _block_diagonal(bs: list[torch.Tensor], slices) -> torch.Tensor:
     """[k N, sum H_out]: slice i's B in rows i*N.. and its own output columns, zeros elsewhere."""
@@ -125,6 +130,7 @@ FUSED_MAX_ROWS = 48
 # Output widths whose base columns stay bit-identical with rows added under the weight (measured).
 FUSED_WIDTH_MULTIPLE = 16
 
+
 @dataclass
 class FusedShrink:
     """A base projection's weight with room under it for adapters' A rows (CPU).
@@ -143,6 +149,7 @@ class FusedShrink:
     cap_pages: int
     key: tuple | None = None
     expand: list | None = None
+
 
 def attach_fused_shrink(linear: nn.Linear, slices: Sequence[LoRAWeights],
                         max_rows: int = FUSED_MAX_ROWS) -> FusedShrink | None:
@@ -181,6 +188,7 @@ def attach_fused_shrink(linear: nn.Linear, slices: Sequence[LoRAWeights],
     w0.fused = FusedShrink(weight, bias, out, cap_pages)
     return w0.fused
 
+
 def fused_layout(meta: LoRAMeta, page: int, k: int, cap_pages: int) -> dict | None:
     """Where every active adapter's shrink columns are in the fused GEMM's output (cached on meta per
     arguments); None when their pages exceed `cap_pages` or there are none. Returned: slots,
@@ -201,6 +209,7 @@ def fused_layout(meta: LoRAMeta, page: int, k: int, cap_pages: int) -> dict | No
                     "col_slot": torch.tensor(col_slot, dtype=torch.int64), "key": tuple(page_ids)}
         meta._fused[key] = layout
     return meta._fused[key]
+
 
 def fill_fused_rows(fs, slices, layout: dict) -> None:
     """Write the layout's adapters' A rows under the base weight of `fs` (a `FusedShrink`), and their
@@ -225,6 +234,7 @@ def fill_fused_rows(fs, slices, layout: dict) -> None:
     else:
         fs.expand = [bt.reshape(-1, bt.shape[2]) for bt in bts]
     fs.key = key
+
 
 def add_lora_fused_packed(y: torch.Tensor, v: torch.Tensor, slices, meta: LoRAMeta, layout: dict,
                           fs) -> torch.Tensor:

@@ -44,6 +44,7 @@ PACKED_LIMITS = {torch.float32: (1024, 160 * 1024)}  # dtype -> (max N, max T x 
 
 PACKED_LIMITS_16BIT = (48, 1024 * 1024)
 
+
 def lora_linear(x: torch.Tensor, linear: nn.Linear, slices: Sequence[LoRAWeights], meta: LoRAMeta) -> torch.Tensor:
     """linear(x) plus every row's adapter delta: x [T, H_in] -> y [T, sum H_out] (the slices' outputs
     side by side, as `add_lora` with default offsets).
@@ -64,6 +65,7 @@ def lora_linear(x: torch.Tensor, linear: nn.Linear, slices: Sequence[LoRAWeights
         return _dispatch(linear(x), x, slices, meta, _offsets(slices), backend)
     return fused_linear(x, linear, slices, meta, layout)
 
+
 def _offsets(slices: Sequence[LoRAWeights]) -> list[int]:
     """Each slice's first column when the slices' outputs sit side by side."""
     offsets, off = [], 0
@@ -72,12 +74,14 @@ def _offsets(slices: Sequence[LoRAWeights]) -> list[int]:
         off += w.B.shape[1]
     return offsets
 
+
 def set_backend(name: str) -> None:
     """Force a backend for every later `add_lora` call ("auto" restores the choice). ValueError if unknown."""
     global _backend
     if name not in BACKENDS:
         raise ValueError(f"unknown LoRA backend {name!r}; choose one of {BACKENDS}")
     _backend = name
+
 
 def _pick_backend(x: torch.Tensor, meta: LoRAMeta, slices: Sequence[LoRAWeights]) -> str:
     if _backend != "auto":
@@ -94,6 +98,7 @@ def _pick_backend(x: torch.Tensor, meta: LoRAMeta, slices: Sequence[LoRAWeights]
         return "packed"
     return "bgmv" if all(w.BT is not None for w in slices) else "segmented"
 
+
 def add_lora(y: torch.Tensor, x: torch.Tensor, slices: Sequence[LoRAWeights], meta: LoRAMeta,
              offsets: Sequence[int] | None = None) -> torch.Tensor:
     """Add every row's own adapter delta to y in place (semantics in the module docstring).
@@ -109,6 +114,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, slices: Sequence[LoRAWeights], me
         return y  # no adapter in this step targets this projection (e.g. q/k/v/o-only adapters on the MLP)
     return _dispatch(y, x, slices, meta, list(offsets) if offsets is not None else _offsets(slices),
                      _pick_backend(x, meta, slices))
+
 
 def _dispatch(y: torch.Tensor, x: torch.Tensor, slices: Sequence[LoRAWeights], meta: LoRAMeta,
               offsets: list[int], backend: str) -> torch.Tensor:

@@ -34,6 +34,7 @@ def lora_shrink_ref(x: torch.Tensor, w, meta: LoRAMeta, v: torch.Tensor) -> torc
         v[rows, :r] = (xs @ w.a_rows(slot, r).float().T).to(v.dtype)  # [n, r]
     return v
 
+
 def lora_expand_ref(y: torch.Tensor, v: torch.Tensor, w, meta: LoRAMeta, offset: int = 0) -> torch.Tensor:
     """y[rows of slot s, offset:offset+H_out] += scale_s * v[rows, :r_s] @ B_s[:, :r_s].T.
 
@@ -49,6 +50,7 @@ def lora_expand_ref(y: torch.Tensor, v: torch.Tensor, w, meta: LoRAMeta, offset:
         delta = (v.index_select(0, rows)[:, :r].float() @ w.b_cols(slot, r).float().T) * w.scales_list[slot]
         y[rows, offset:offset + h_out] += delta.to(y.dtype)  # delta: [n, H_out]
     return y
+
 
 def add_lora_segmented(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
                        offsets: list[int]) -> torch.Tensor:

@@ -151,6 +151,7 @@ class LoRAWeights:
         self.scales_list[slot] = float(scale)
         (self.live.add if r else self.live.discard)(slot)
 
+
 def _zero_rows(buf, phys: int, row: int, n: int, page: int, col: int, keep: int = 0) -> None:
     """Zero rank rows row + keep .. row + n - 1 of physical slot `phys` in buf's A, B and CPU mirrors
     (in AT, the pages past those holding the first `keep` rows, which `_copy_rows` just wrote whole);
@@ -168,6 +169,7 @@ def _zero_rows(buf, phys: int, row: int, n: int, page: int, col: int, keep: int 
     if buf.BT is not None:
         buf.BT[..., phys, row + keep:row + n, :].zero_()
 
+
 def _copy_rows(buf, phys: int, row: int, A: torch.Tensor, B: torch.Tensor, scale, page: int, col: int) -> None:
     """Write A [..., r, H_in] and B [..., H_out, r] at rank rows row .. row + r - 1 of physical slot
     `phys` of buf (as `_zero_rows`), and the mirrors: AT from A, BT from B scaled by `scale` (a float,
@@ -183,12 +185,14 @@ def _copy_rows(buf, phys: int, row: int, A: torch.Tensor, B: torch.Tensor, scale
     if buf.BT is not None:
         buf.BT[..., phys, row:row + r, :].copy_((B.float() * scale).transpose(-1, -2))
 
+
 def _at_pages(at: torch.Tensor, row: int, r: int, page: int, col: int) -> torch.Tensor:
     """[..., n, H_in, page] view of the shrink mirror `at` [..., P, H_in, W] (one physical slot, any
     leading dims): the n = ceil(r / page) pages from rank row `row` (a multiple of page), at columns
     col .. col + page."""
     first = row // page
     return at[..., first:first - (-r // page), :, col:col + page]
+
 
 def _as_pages(a: torch.Tensor, page: int) -> torch.Tensor:
     """A [..., r, H_in] -> its transpose in pages, [..., n, H_in, page], zero-padded to
@@ -198,6 +202,7 @@ def _as_pages(a: torch.Tensor, page: int) -> torch.Tensor:
     if pad:
         a = torch.cat([a, a.new_zeros(*a.shape[:-2], pad, a.shape[-1])], -2)
     return a.unflatten(-2, (-1, page)).transpose(-1, -2)
+
 
 @dataclass
 class LoRAStack:
