@@ -1,8 +1,9 @@
 """Multi-adapter LoRA ops: per-step segment metadata, slot buffers, and one dispatching `add_lora`.
 
-Files by concern: `metadata` (the step's segments), `weights` (slot buffers), `reference` (the fp32
-reference), `cpu_packed` and `cpu_bgmv` (the CPU paths), `cpu_ext` (the compiled CPU kernel),
-`triton_sgmv` (the CUDA kernels), `lora_ops` (the dispatch). Nothing here imports `engine/` or
+Files by concern: `metadata` (the step's segments), `weights` (slot buffers: weights only),
+`reference` (the fp32 reference), `cpu` (the CPU implementation, which owns the CPU paths' caches),
+`cpu_packed` and `cpu_bgmv` (the CPU paths), `cpu_ext` (the compiled CPU kernel), `triton_sgmv` (the
+CUDA kernels), `lora_ops` (the dispatch). Nothing here imports `engine/` or
 `adapters/`.
 
 The Triton names (`add_lora_triton`, `sgmv_shrink`, `sgmv_expand`, `TileConfig`, `TILE_TABLE`,

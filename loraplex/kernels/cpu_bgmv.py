@@ -8,6 +8,8 @@ rows, P pages per physical slot, H_in / H_out a projection's in / out features, 
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
+
 import torch
 
 from loraplex.kernels import cpu_ext
@@ -49,7 +51,7 @@ def add_lora_dense_segments(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRA
 
 
 def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
-                  offsets: list[int]) -> torch.Tensor:
+                  offsets: list[int], cache: MutableMapping | None = None) -> torch.Tensor:
     """CPU path for many distinct adapters (BGMV's per-row gather, Punica), on `embedding_bag`.
 
     Each row reads only its own adapter's weights, straight from the slot buffers' CPU mirrors (no
@@ -70,7 +72,7 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
         raise ValueError("the bgmv path needs meta.slot_ranks (build_lora_meta(..., slot_ranks=...))")
     ext = cpu_ext.get() if x.device.type == "cpu" else None
     if ext is not None:
-        return add_lora_bgmv_compiled(ext, y, x, slices, meta, offsets)
+        return add_lora_bgmv_compiled(ext, y, x, slices, meta, offsets, cache)
     if any(w.AT is None for w in slices):
         raise ValueError("the embedding_bag gathers read the AT shrink mirrors, which these slot buffers were "
                          "made without (the compiled CPU kernel was built then): LoRAWeights.empty(..., "
@@ -90,7 +92,7 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
     for w, off in zip(slices, offsets, strict=True):
         if w.live.isdisjoint(active):
             continue  # no adapter of this step touches this slice
-        at_table, bt_table = w.tables()
+        at_table, bt_table = _views(w, "tables", cache)
         v = shrunk.get(at_table.data_ptr())
         if v is None:  # torch.embedding_bag, not F.embedding_bag: the functional's checks cost ~3 us a call
             v = torch.embedding_bag(at_table, s_idx, s_off, False, 0, False, xw)[0].view(-1)
@@ -103,7 +105,7 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
 
 
 def add_lora_bgmv_compiled(ext, y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
-                           offsets: list[int]) -> torch.Tensor:
+                           offsets: list[int], cache: MutableMapping | None = None) -> torch.Tensor:
     """`add_lora_bgmv` in the compiled kernel `ext` (`cpu_ext.get()`; semantics and roundings in
     csrc/bgmv_cpu.cpp): one call per projection, rows in adapter order split between PyTorch's threads,
     each row's shrink and expand read from A [V page, H_in] and BT [V page, H_out], the next
@@ -118,10 +120,27 @@ def add_lora_bgmv_compiled(ext, y: torch.Tensor, x: torch.Tensor, slices, meta: 
     order, sid = rows
     used = [(w, off) for w, off in zip(slices, offsets, strict=True) if not w.live.isdisjoint(meta.active_slots)]
     if used:
-        flat = [w.flat() for w, _ in used]
+        flat = [_views(w, "flat", cache) for w, _ in used]
         ext.bgmv(y, x, order, sid, [a for a, _ in flat], [bt for _, bt in flat], [w.ranks for w, _ in used],
                  [off for _, off in used], slices[0].page, cpu_ext.vectorized)
     return y
+
+
+def _views(w, kind: str, cache: MutableMapping | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of w's buffers as the gathers' tables ("tables": AT as rows (physical slot, page, h) of W
+    values [S P H_in, W], BT as rank rows [S R, H_out]) or as the compiled kernel reads them ("flat": A
+    [S R, H_in] and BT [S R, H_out]); made once per buffer and kept in `cache` (the `CPULoRA`'s)."""
+    views = None if cache is None else cache.get(w)
+    if views is None:
+        views = {}
+        if cache is not None:
+            cache[w] = views
+    if kind not in views:
+        if kind == "tables":
+            views[kind] = (w.AT.view(-1, w.AT.shape[-1]), w.BT.view(-1, w.BT.shape[-1]))
+        else:
+            views[kind] = (w.A.view(-1, w.A.shape[2]), w.BT.view(-1, w.BT.shape[-1]))
+    return views[kind]
 
 
 def _bgmv_layout(meta: LoRAMeta, w) -> dict:

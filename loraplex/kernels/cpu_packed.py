@@ -12,7 +12,7 @@ slice, rank row in page) over the step's adapters' pages in slot order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +60,7 @@ def _packed_columns(meta: LoRAMeta, device: torch.device):
 
 
 def add_lora_packed(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
-                    offsets: list[int]) -> torch.Tensor:
+                    offsets: list[int], cache: MutableMapping | None = None) -> torch.Tensor:
     """CPU fast path: every slice's active A rows in one shrink matmul, masked per row, and one expand
     matmul per slice (one for all slices when their outputs are adjacent in y).
 
@@ -75,7 +75,8 @@ def add_lora_packed(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
     cols = _packed_columns(meta, x.device)
     s_idx, r_idx, mask, rows = cols["s"], cols["r"], cols["mask"], cols["rows"]
     xs = x if rows is None else x.index_select(0, rows)  # [T_a, H_in]; every row when rows is None
-    a, bs = _packed_weights(slices, meta, s_idx, r_idx)
+    entry = _packed_weights(slices, meta, s_idx, r_idx, cache)
+    a, bs = entry[1], entry[2]
     v = xs @ a.T  # [T_a, k N], k = len(slices)
     if not cols["all_same"]:
         key = ("mask", len(slices))
@@ -84,7 +85,7 @@ def add_lora_packed(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
         v = torch.where(cols[key], v, torch.zeros((), dtype=v.dtype))
     adjacent = all(o + b.shape[1] == nxt for o, b, nxt in zip(offsets, bs, offsets[1:], strict=False))
     if len(slices) > 1 and adjacent and a.shape[0] // len(slices) <= BLOCK_DIAGONAL_MAX_COLUMNS:
-        bs = [_block_diagonal(bs, slices)]
+        bs = [_block_diagonal(bs, entry[3])]
         offsets = offsets[:1]
     n = v.shape[1] // len(bs)
     for i, (b, off) in enumerate(zip(bs, offsets, strict=True)):
@@ -92,27 +93,31 @@ def add_lora_packed(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
     return y
 
 
-def _packed_weights(slices, meta: LoRAMeta, s_idx: torch.Tensor, r_idx: torch.Tensor):
-    """The active slots' A rows of every slice, scaled and stacked ([k N, H_in]), and each slice's B
-    columns ([N, H_out] each). Cached on the first slice: they change only when the active slots or
-    their contents do, so a steady batch reuses them step after step."""
+def _packed_weights(slices, meta: LoRAMeta, s_idx: torch.Tensor, r_idx: torch.Tensor,
+                    cache: MutableMapping | None) -> tuple:
+    """(key, the active slots' A rows of every slice scaled and stacked [k N, H_in], each slice's B
+    columns [N, H_out] each, a dict for derived weights). Kept in `cache` under the first slice (the
+    `CPULoRA`'s): they change only when the active slots or their contents do, so a steady batch
+    reuses them step after step; None: made for this call only."""
     key = (tuple(meta.seg_slots_list), tuple(meta.slot_ranks[s] for s in meta.seg_slots_list),
            tuple((id(w), w.version) for w in slices))
     w0 = slices[0]
-    if w0.packed_cache is None or w0.packed_cache[0] != key:
+    entry = None if cache is None else cache.get(w0)
+    if entry is None or entry[0] != key:
         a, bs = [], []
         for w in slices:
             rows = s_idx * w.page + r_idx  # [N] rank rows of A viewed as [S x R, H_in]
             a.append(w.A.view(-1, w.A.shape[2])[rows] * w.scales[s_idx].to(w.A.dtype)[:, None])
             bs.append(w.B[rows // w.A.shape[1], :, rows % w.A.shape[1]].contiguous())  # [N, H_out]
-        a = torch.cat(a)
-        w0.packed_cache = (key, a.contiguous(), bs, {})
-    return w0.packed_cache[1], w0.packed_cache[2]
+        entry = (key, torch.cat(a).contiguous(), bs, {})
+        if cache is not None:
+            cache[w0] = entry
+    return entry
 
 
-def _block_diagonal(bs: list[torch.Tensor], slices) -> torch.Tensor:
-    """[k N, sum H_out]: slice i's B in rows i*N.. and its own output columns, zeros elsewhere."""
-    extra = slices[0].packed_cache[3]
+def _block_diagonal(bs: list[torch.Tensor], extra: dict) -> torch.Tensor:
+    """[k N, sum H_out]: slice i's B in rows i*N.. and its own output columns, zeros elsewhere (kept in
+    `extra`, the packed weights' dict)."""
     if "bd" not in extra:
         n, width = bs[0].shape[0], sum(b.shape[1] for b in bs)
         bd = bs[0].new_zeros(n * len(bs), width)
@@ -154,7 +159,7 @@ class FusedShrink:
 def attach_fused_shrink(linear: nn.Linear, slices: Sequence[LoRAWeights],
                         max_rows: int = FUSED_MAX_ROWS) -> FusedShrink | None:
     """Give `linear` (whose output is the slices' outputs side by side) room for `max_rows` rank rows
-    per slice under its weight, and hand it to `lora_linear` through slices[0].fused.
+    per slice under its weight; `lora_linear` finds it on the linear (`fused_shrink_of`).
 
     The weight parameter is re-pointed at the first H_out rows of the larger buffer: the module keeps
     computing exactly what it did (the extra rows are only read by `lora_linear`). The base columns
@@ -185,8 +190,13 @@ def attach_fused_shrink(linear: nn.Linear, slices: Sequence[LoRAWeights],
         bias = linear.bias.new_zeros(out + extra)
         bias[:out].copy_(linear.bias.detach())
         linear.bias = nn.Parameter(bias[:out], requires_grad=False)
-    w0.fused = FusedShrink(weight, bias, out, cap_pages)
-    return w0.fused
+    linear.lora_fused_shrink = FusedShrink(weight, bias, out, cap_pages)
+    return linear.lora_fused_shrink
+
+
+def fused_shrink_of(linear: nn.Module) -> FusedShrink | None:
+    """The room `attach_fused_shrink` gave `linear`, or None."""
+    return getattr(linear, "lora_fused_shrink", None)
 
 
 def fused_layout(meta: LoRAMeta, page: int, k: int, cap_pages: int) -> dict | None:
@@ -272,7 +282,7 @@ def fused_linear(x: torch.Tensor, linear: nn.Linear, slices: Sequence[LoRAWeight
     """linear(x) plus the packed adapters' deltas with the shrink inside the base GEMM: x [T, H_in] ->
     [T, sum H_out] (a view of the wider output). `layout` from `fused_layout`. Raises RuntimeError when the
     linear's weight was re-bound after `attach_fused_shrink`."""
-    fs = slices[0].fused
+    fs = fused_shrink_of(linear)
     if linear.weight.data_ptr() != fs.weight.data_ptr() or linear.weight.dtype != fs.weight.dtype:
         raise RuntimeError("the linear's weight was re-bound after attach_fused_shrink (load_state_dict with "
                            "assign=True, .to(dtype)?): it no longer shares the buffer with the shrink rows")

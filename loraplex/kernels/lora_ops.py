@@ -26,15 +26,16 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from loraplex.kernels.cpu_bgmv import add_lora_bgmv, add_lora_dense_segments, split_long_segments
-from loraplex.kernels.cpu_packed import add_lora_packed, fused_layout, fused_linear
+from loraplex.kernels.cpu import CPULoRA
+from loraplex.kernels.cpu_packed import fused_layout, fused_linear, fused_shrink_of
 from loraplex.kernels.metadata import LoRAMeta
 from loraplex.kernels.reference import add_lora_segmented
 from loraplex.kernels.weights import LoRAWeights
 
 BACKENDS = ("auto", "triton", "segmented", "packed", "bgmv")
 
-_backend = os.environ.get("LORAPLEX_LORA_BACKEND", "auto")
+_backend = os.environ.get("LORAPLEX_LORA_BACKEND", "auto")  # a forced path (tests, benchmarks), or the choice
+_CPU = CPULoRA()  # the CPU implementation and its caches; CUDA runs the Triton kernels, which keep none
 
 # CPU path choice (measured on a 2-core AVX512-BF16 CPU; the figures are in docs/kernels.md): the
 # packed path multiplies every row by all N active rank columns, so it is cheapest while N is small;
@@ -54,7 +55,7 @@ def lora_linear(x: torch.Tensor, linear: nn.Linear, slices: Sequence[LoRAWeights
     (CUDA, the bgmv path, forced backends, more pages than the room under the weight) it is
     `add_lora(linear(x), x, slices, meta)`.
     """
-    fs = slices[0].fused
+    fs = fused_shrink_of(linear)
     if fs is None or _backend != "auto" or not meta.has_lora:
         return add_lora(linear(x), x, slices, meta)
     if all(w.live.isdisjoint(meta.active_slots) for w in slices):
@@ -119,18 +120,8 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, slices: Sequence[LoRAWeights], me
 def _dispatch(y: torch.Tensor, x: torch.Tensor, slices: Sequence[LoRAWeights], meta: LoRAMeta,
               offsets: list[int], backend: str) -> torch.Tensor:
     """`add_lora` past its early returns, on the backend already picked."""
-    if backend == "packed":
-        return add_lora_packed(y, x, slices, meta, offsets)
-    if backend == "bgmv":
-        if any(w.BT is None for w in slices):
-            raise ValueError("the bgmv path reads the CPU mirrors of LoRAWeights.empty(device='cpu')")
-        # prefill chunks through dense matmuls, the rest gathered per row (forced bgmv: every row)
-        long, short = split_long_segments(meta) if _backend == "auto" else (None, meta)
-        if long is not None:
-            add_lora_dense_segments(y, x, slices, long, offsets)
-        if short is not None:
-            add_lora_bgmv(y, x, slices, short, offsets)
-        return y
+    if backend in ("packed", "bgmv"):  # forced bgmv gathers every row, prefill chunks too
+        return _CPU.add(y, x, slices, meta, offsets, backend, split_long=_backend == "auto")
     if backend == "triton":
         from loraplex.kernels.triton_sgmv import add_lora_triton
 

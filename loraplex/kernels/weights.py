@@ -9,17 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from loraplex.kernels import cpu_ext
 
-if TYPE_CHECKING:
-    from loraplex.kernels.cpu_packed import FusedShrink
 
-
-@dataclass
+@dataclass(eq=False)  # identity: the CPU path keys its caches by the buffers (`cpu.CPULoRA`)
 class LoRAWeights:
     """Stacked adapter-slot buffers of one projection (one slice), paged by rank (S-LoRA's unified
     paging, arXiv:2311.03285, at the granularity of `page` rank rows).
@@ -50,16 +46,12 @@ class LoRAWeights:
     scales: torch.Tensor
     ranks_list: list[int] = field(default_factory=list)
     scales_list: list[float] = field(default_factory=list)
-    version: int = 0
-    packed_cache: tuple | None = field(default=None, repr=False)
+    version: int = 0  # counts slot writes: what a path caches about these buffers is stale once it moves
     page: int = 0  # rank rows per virtual slot; 0 means R
     AT: torch.Tensor | None = field(default=None, repr=False)
     BT: torch.Tensor | None = field(default=None, repr=False)
     at_col: int = 0
     live: set[int] = field(default_factory=set)
-    fused: FusedShrink | None = field(default=None, repr=False)  # on a projection's first slice (cpu_packed)
-    _tables: tuple | None = field(default=None, repr=False)
-    _flat: tuple | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if not self.live:
@@ -89,20 +81,6 @@ class LoRAWeights:
         stacks = LoRAStack.empty_group(1, num_slots, max_rank, in_features, out_features, dtype, device, page,
                                        shrink_mirror)
         return [stack.layers[0] for stack in stacks]
-
-    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The CPU mirrors as the gather path's tables (views, made once): AT as rows (physical slot,
-        page, h) of W values, [S P H_in, W]; BT as rank rows, [S R, H_out]."""
-        if self._tables is None:
-            self._tables = (self.AT.view(-1, self.AT.shape[-1]), self.BT.view(-1, self.BT.shape[-1]))
-        return self._tables
-
-    def flat(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """A as [S R, H_in] and the BT mirror as [S R, H_out] (views, made once): rank row v x page of
-        each is virtual slot v's first, what the compiled CPU kernel reads."""
-        if self._flat is None:
-            self._flat = (self.A.view(-1, self.A.shape[2]), self.BT.view(-1, self.BT.shape[-1]))
-        return self._flat
 
     @property
     def num_virtual_slots(self) -> int:

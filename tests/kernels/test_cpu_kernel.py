@@ -48,7 +48,7 @@ def _args(case):
     order = case.meta.row_order
     sid = case.meta.slot_ids.to(torch.int64)[order]
     w = case.slices[0]
-    a, bt = w.flat()
+    a, bt = w.A.view(-1, w.A.shape[2]), w.BT.view(-1, w.BT.shape[-1])  # what the dispatch hands the kernel
     return case.y.clone(), case.x, order, sid, [a], [bt], [w.ranks], [0], w.page, True
 
 

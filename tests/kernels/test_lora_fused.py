@@ -5,6 +5,7 @@ import torch
 from lora_cases import DEVICE, assert_matches, make_case
 
 from loraplex.kernels import LoRAWeights, attach_fused_shrink, lora_linear, lora_ops
+from loraplex.kernels.cpu_packed import fused_shrink_of
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the fused shrink is the CPU path (slot mirrors)")
 
@@ -36,7 +37,7 @@ def _fused_case(num_tokens, popularity, num_adapters, dtype, page, h_outs=(80, 2
 @pytest.mark.parametrize("num_tokens", [1, 7, 64])
 def test_fused_shrink_matches_dense(dtype, page, popularity, num_tokens):
     case, linear, base = _fused_case(num_tokens, popularity, 3, dtype, page, seed=num_tokens)
-    fs, w = case.slices[0].fused, case.slices[0]
+    fs, w = fused_shrink_of(linear), case.slices[0]
     out = lora_linear(case.x, linear, case.slices, case.meta)
     pages = sum(-(-case.meta.slot_ranks[s] // w.page) for s in case.meta.seg_slots_list)
     packed = lora_ops._pick_backend(case.x, case.meta, case.slices) == "packed"
@@ -48,7 +49,7 @@ def test_fused_shrink_matches_dense(dtype, page, popularity, num_tokens):
 def test_single_slice_without_bias():
     case, linear, base = _fused_case(40, "skewed", 2, torch.bfloat16, 8, h_outs=(80,), bias=False, seed=3)
     out = lora_linear(case.x, linear, case.slices, case.meta)
-    assert case.slices[0].fused.key is not None
+    assert fused_shrink_of(linear).key is not None
     assert_matches(out, case, base)
 
 
@@ -67,7 +68,7 @@ def test_rows_rewritten_after_a_slot_write():
 def test_more_pages_than_the_room_falls_back(monkeypatch):
     """Active adapters needing more rank rows than the room under the weight: the unfused path, same values."""
     case, linear, base = _fused_case(64, "uniform", 12, torch.float32, 8, seed=6)
-    fs = case.slices[0].fused
+    fs = fused_shrink_of(linear)
     monkeypatch.setattr(fs, "cap_pages", 2)
     out = lora_linear(case.x, linear, case.slices, case.meta)
     assert fs.key is None
@@ -81,7 +82,7 @@ def test_bgmv_and_forced_backends_are_not_fused(monkeypatch):
     monkeypatch.setattr(lora_ops, "PACKED_LIMITS_16BIT", (1024, 1 << 20))
     monkeypatch.setattr(lora_ops, "_backend", "packed")
     assert_matches(lora_linear(case.x, linear, case.slices, case.meta), case, base)
-    assert case.slices[0].fused.key is None
+    assert fused_shrink_of(linear).key is None
 
 
 def test_attach_refuses_a_linear_of_other_shape():
@@ -96,7 +97,7 @@ def test_a_slice_the_adapters_leave_alone():
     for s in case.meta.seg_slots_list:
         case.slices[1].set_slot(s, None, None, 0.0)
     out = lora_linear(case.x, linear, case.slices, case.meta)
-    assert case.slices[0].fused.key is not None
+    assert fused_shrink_of(linear).key is not None
     assert_matches(out, case, base)
     assert torch.equal(out[:, 80:104], base[:, 80:104])
 
@@ -106,13 +107,13 @@ def test_widths_not_a_multiple_of_16_stay_unfused():
     w = LoRAWeights.empty(2, 8, 16, 75, torch.float32, "cpu")
     linear = torch.nn.Linear(16, 75)
     weight = linear.weight
-    assert attach_fused_shrink(linear, [w]) is None and w.fused is None and linear.weight is weight
+    assert attach_fused_shrink(linear, [w]) is None and fused_shrink_of(linear) is None and linear.weight is weight
 
 
 def test_a_weight_rebound_after_the_attach_is_refused():
     case, linear, _ = _fused_case(24, "uniform", 3, torch.float32, 8, seed=5)
     lora_linear(case.x, linear, case.slices, case.meta)
-    assert case.slices[0].fused.key is not None
+    assert fused_shrink_of(linear).key is not None
     linear.load_state_dict({k: v.clone() for k, v in linear.state_dict().items()}, assign=True)
     with pytest.raises(RuntimeError, match="re-bound after attach_fused_shrink"):
         lora_linear(case.x, linear, case.slices, case.meta)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from lora_cases import DEVICE, POPULARITIES, assert_matches, make_case
 
-from loraplex.kernels import cpu_bgmv, cpu_ext, cpu_packed, lora_ops
+from loraplex.kernels import cpu, cpu_bgmv, cpu_ext, cpu_packed, lora_ops
 from loraplex.kernels.cpu_bgmv import add_lora_bgmv, add_lora_dense_segments
 from loraplex.kernels.cpu_packed import add_lora_packed
 from loraplex.kernels.metadata import build_lora_meta
@@ -109,8 +109,8 @@ def test_bgmv_sends_long_segments_through_dense_matmuls(monkeypatch):
     case.meta = build_lora_meta(slot_ids, DEVICE, slot_ranks=case.meta.slot_ranks)
     calls = []
     for name in ("add_lora_dense_segments", "add_lora_bgmv"):
-        real = getattr(lora_ops, name)
-        monkeypatch.setattr(lora_ops, name, lambda *a, real=real, name=name: calls.append(
+        real = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda *a, real=real, name=name: calls.append(
             (name, a[3].row_order.numel())) or real(*a))
     monkeypatch.setattr(lora_ops, "_backend", "auto")
     monkeypatch.setattr(lora_ops, "PACKED_LIMITS", {torch.float32: (16, 1 << 20)})
@@ -130,8 +130,8 @@ def test_projection_no_active_adapter_targets_is_skipped(monkeypatch):
     for backend in ("auto", "segmented", "packed", "bgmv", "triton"):
         monkeypatch.setattr(lora_ops, "_backend", backend)
         monkeypatch.setattr(lora_ops, "add_lora_segmented", None)  # any call would raise
-        monkeypatch.setattr(lora_ops, "add_lora_packed", None)
-        monkeypatch.setattr(lora_ops, "add_lora_bgmv", None)
+        monkeypatch.setattr(cpu, "add_lora_packed", None)
+        monkeypatch.setattr(cpu, "add_lora_bgmv", None)
         y = case.y.clone()
         assert torch.equal(lora_ops.add_lora(y, case.x, case.slices, case.meta), case.y)
 
@@ -205,7 +205,7 @@ def test_bgmv_step_of_only_long_segments_takes_dense_matmuls(monkeypatch):
     monkeypatch.setattr(lora_ops, "_backend", "auto")
     monkeypatch.setattr(lora_ops, "PACKED_LIMITS", {torch.float32: (4, 1 << 20)})
     monkeypatch.setattr(cpu_bgmv, "LONG_SEGMENT_ROWS", 32)
-    monkeypatch.setattr(lora_ops, "add_lora_bgmv", None)  # any call would raise
+    monkeypatch.setattr(cpu, "add_lora_bgmv", None)  # any call would raise
     y = case.y.clone()
     lora_ops.add_lora(y, case.x, case.slices, case.meta, case.offsets)
     assert_matches(y, case, case.y)
