@@ -160,8 +160,9 @@ class AdapterManager:
         self.pages.unpin(name)
 
     def step(self, waiting: Sequence[str | None], num_examined: int | None) -> dict[str, str]:
-        """Once per scheduler step, after admission (`Scheduler.schedule`): take in finished disk loads,
-        keep, move or end the reservation, prefetch, and return the adapters whose load failed.
+        """Once per scheduler step, after admission (`Scheduler.schedule`): keep, move or end the
+        reservation, prefetch, and return the adapters whose load or placement failed (finished loads are
+        taken in before scheduling, `poll`).
 
         waiting: the adapters of the waiting requests in queue order; admission looked at the first
         `num_examined` and left them there (None: admission did not run, the reservation stands). The
@@ -171,7 +172,6 @@ class AdapterManager:
         the next free place and the drain would start over (starving a large adapter).
         """
         pages = self.pages
-        self.poll()
         if num_examined is not None:
             head = waiting[:num_examined]
             blocked = next((a for a in head if a is not None and a not in self.host.failed
@@ -194,7 +194,7 @@ class AdapterManager:
 
     def poll(self) -> None:
         """Take in the disk loads that finished (engine thread): the engine calls it before each schedule,
-        so admission sees an adapter the step its load lands, and `step` again after admission."""
+        so admission sees an adapter the step its load lands, and `step` reports the loads that failed."""
         loaded, failed = self.host.poll(lambda n: self.registry[n].epoch if n in self.registry else None)
         for name in loaded:  # a first load through every check: later loads read by its plan
             reg = self.registry[name]

@@ -207,10 +207,7 @@ class LLMEngine:
         if req is None or req.is_finished:
             return None
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        try:
-            return self._output(req, [])
-        except Exception as exc:  # still forget it: a request left in self.requests would never end
-            return self._fail(req, exc)
+        return self._last_output(req)
 
     def unload_adapter(self, name: str) -> None:
         """Forget an adapter. KeyError if unknown; AdapterInUseError while any unfinished request (running or
@@ -253,12 +250,7 @@ class LLMEngine:
     def _update(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         before_update = None if self.inject_fault is None else (lambda r: self.inject_fault("update", r))
         update = self.scheduler.update_from_output(sched, result.tokens, result.errors, before_update)
-        outputs = []
-        for req in sched.aborted:
-            try:
-                outputs.append(self._output(req, []))
-            except Exception as exc:
-                outputs.append(self._fail(req, exc))
+        outputs = [self._last_output(req) for req in sched.aborted]
         self.num_generated_tokens += len(update.new_tokens)
         for req, token in update.new_tokens:
             try:
@@ -274,6 +266,14 @@ class LLMEngine:
                 outputs.append(self._fail(req, exc))
         outputs.extend(self._fail(req, exc) for req, exc in update.failed)
         return outputs
+
+    def _last_output(self, req: Request) -> RequestOutput:
+        """The last output of `req`, ended without a new token; if building it raises, `req` is forgotten
+        all the same (a request left in self.requests would never end)."""
+        try:
+            return self._output(req, [])
+        except Exception as exc:
+            return self._fail(req, exc)
 
     def _fail(self, req: Request, exc: Exception) -> RequestOutput:
         """End `req` alone for a fault of its own; its last output carries the error."""

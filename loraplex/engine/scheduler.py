@@ -197,11 +197,15 @@ class Scheduler:
         failed = self.adapters.step([r.adapter for r in self.waiting], num_examined)
         if failed:
             for req in [r for r in self.waiting if r.adapter in failed]:
-                req.error = f"adapter {req.adapter!r} could not be loaded: {failed[req.adapter]}"
-                req.adapter_failed = True
-                self.finish(req, RequestStatus.FINISHED_ABORTED)
-                out.aborted.append(req)
+                self._end_for_adapter(req, out, f"could not be loaded: {failed[req.adapter]}")
         return out
+
+    def _end_for_adapter(self, req: Request, out: SchedulerOutput, reason: str) -> None:
+        """End `req` because its adapter could not be loaded or placed (nothing of it ran)."""
+        req.error = f"adapter {req.adapter!r} {reason}"
+        req.adapter_failed = True
+        self.finish(req, RequestStatus.FINISHED_ABORTED)
+        out.aborted.append(req)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         """Admit waiting requests in arrival order into `out`; returns how many requests at the head of
@@ -227,10 +231,7 @@ class Scheduler:
                     req.virtual_slot = self.adapters.acquire(req.adapter)
                 except Exception as exc:  # placing this adapter failed: its requests end, the batch goes on
                     logger.exception("adapter %r could not be placed in a slot", req.adapter)
-                    req.error = f"adapter {req.adapter!r} could not be placed in a slot: {exc}"
-                    req.adapter_failed = True
-                    self.finish(req, RequestStatus.FINISHED_ABORTED)
-                    out.aborted.append(req)
+                    self._end_for_adapter(req, out, f"could not be placed in a slot: {exc}")
                     continue
             req.status = RequestStatus.RUNNING
             self.running.append(req)

@@ -136,6 +136,7 @@ def test_step_reports_failed_loads_and_a_new_request_retries(manager, tmp_path, 
     (tmp_path / "gone" / "adapter_model.safetensors").unlink()
     mgr.step(["gone"], num_examined=1)  # starts the load
     mgr.wait_for_loads(10)
+    mgr.poll()  # as the engine does before each schedule
     failed = mgr.step(["gone"], num_examined=1)
     assert list(failed) == ["gone"] and "adapter_model.safetensors" in failed["gone"]
     assert mgr.adapter_stats()["adapters"]["gone"] == "failed"
@@ -158,6 +159,7 @@ def test_a_validated_adapter_is_checked_once_on_the_load_thread_then_read_by_pla
     deadline = time.monotonic() + 30
     while "stored" not in mgr.host or "damaged" not in failed:
         assert time.monotonic() < deadline
+        mgr.poll()  # as the engine does before each schedule
         failed = mgr.step(["stored", "damaged"], num_examined=0)
         mgr.wait_for_loads(0.1)
     assert mgr.registry["stored"].read_plan is not None
