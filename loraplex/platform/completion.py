@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from loraplex.adapters.peft import AdapterError
 from loraplex.engine.errors import EngineOverloadedError
 from loraplex.engine.sampling_params import ParamError, SamplingParams, check_stop_token_ids, check_top_k
 from loraplex.platform import crud, tenant_adapters
@@ -35,10 +34,10 @@ from loraplex.platform.completion_response import response_body, stream
 from loraplex.platform.engine_client import Generation
 from loraplex.platform.errors import (
     APIError,
+    adapter_load_failed,
     engine_overloaded,
     invalid_request,
     model_not_found,
-    unavailable,
 )
 from loraplex.platform.gateway import Gateway
 from loraplex.platform.openai_schemas import ChatCompletionRequest, CompletionRequest
@@ -141,8 +140,7 @@ async def resolve_model(gw: Gateway, tenant_id: int, model: str) -> Target:
     if row is None:
         raise model_not_found(model)
     if path is None:
-        raise unavailable(f"The adapter `{row.name}` could not be loaded: its files are missing.",
-                          code="adapter_load_failed")
+        raise adapter_load_failed(row.name, "its files are missing.")
     return Target(row.name, engine_name(tenant_id, row.name, row.digest), str(path))
 
 
@@ -255,9 +253,6 @@ async def _start(request: Request, gw: Gateway, gate: QuotaGate, c: Completion) 
         gw.spawn(gw.quotas.settle(ticket, 0, ran=False))
         if isinstance(exc, EngineOverloadedError):
             raise overloaded_answer(gw, caller, c, exc.retry_after_s) from None
-        if isinstance(exc, AdapterError):
-            raise unavailable(f"The adapter `{c.adapter}` could not be loaded: {exc}",
-                              code="adapter_load_failed") from None
         if isinstance(exc, ValueError):
             raise invalid_request(f"The engine refused the request: {exc}", param=getattr(exc, "param", None)) from None
         raise

@@ -10,7 +10,7 @@ import json
 from typing import TYPE_CHECKING
 
 from loraplex.platform.engine_client import Generation
-from loraplex.platform.errors import APIError, shutting_down, unavailable
+from loraplex.platform.errors import APIError, adapter_load_failed, shutting_down, unavailable
 from loraplex.platform.openai_responses import (
     AssistantMessage,
     ChatChoice,
@@ -29,18 +29,12 @@ def engine_error(message: str = "The engine failed while generating this request
     return unavailable(message, code="engine_error")
 
 
-def adapter_failed(c: Completion, error: str) -> APIError:
-    """The engine could not load or place the call's adapter (its store files damaged since upload): 503,
-    as when its files are missing."""
-    reason = error.split(": ", 1)[-1]
-    return unavailable(f"The adapter `{c.adapter}` could not be loaded: {reason}", code="adapter_load_failed")
-
-
 def error_of(c: Completion, error: str | None, is_adapter_failure: bool) -> APIError:
     """The answer for a choice the engine ended early: its error, or shutdown when it has none."""
     if error is None:  # aborted by the gateway with no fault: shutdown's grace ran out
         return shutting_down()
-    return adapter_failed(c, error) if is_adapter_failure else engine_error()
+    # the engine's reason reads "adapter '<engine name>' could not be ...: <why>": the tenant sees its own name
+    return adapter_load_failed(c.adapter, error.split(": ", 1)[-1]) if is_adapter_failure else engine_error()
 
 
 def _raise_for_errors(c: Completion, gen: Generation) -> None:

@@ -76,6 +76,11 @@ def unavailable(message: str, code: str = "service_unavailable", retry_after_s: 
     return APIError(503, message, type="server_error", code=code, headers=_retry_after(retry_after_s))
 
 
+def adapter_load_failed(adapter: str, reason: str) -> APIError:
+    """503 for a tenant's adapter whose files cannot be loaded (missing, or damaged since upload)."""
+    return unavailable(f"The adapter `{adapter}` could not be loaded: {reason}", code="adapter_load_failed")
+
+
 def overloaded(message: str, code: str = "server_overloaded", retry_after_s: float = 1.0) -> APIError:
     """503 for load shed by design (Envoy's and Kong's answer before a backend melts): nothing ran."""
     return APIError(503, message, type="server_overloaded", code=code, headers=_retry_after(retry_after_s))

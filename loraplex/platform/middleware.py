@@ -3,9 +3,9 @@
 `ShedMiddleware`: while the gateway shuts down or the engine's queue is full, a generation request is
 answered 503 before its body is read, authenticated or tokenized (Envoy and Kong shed at the edge the
 same way). Requests it lets through count as waiting until they reach the engine, so a burst on an idle
-server is shed at the door beyond what the queue takes, not after each one is parsed and tokenized. Shedding must cost far less than serving: parsing, authenticating and tokenizing each refused
-request took enough of a 2-core machine to halve the engine's throughput under 4x overload
-(docs/reliability.md). The exact check (tokens, the whole call) stays the engine's, at submit.
+server is shed at the door beyond what the queue takes, not after each one is parsed and tokenized.
+Shedding must cost far less than serving: parsing, authenticating and tokenizing each refused request
+took enough of a 2-core machine to halve the engine's throughput under 4x overload (docs/reliability.md). The exact check (tokens, the whole call) stays the engine's, at submit.
 
 `BodyLimitMiddleware`: a body declared larger than the limit (`content-length`) is answered 413 before
 it is read; a chunked one is refused with 413 once it passes the limit, so a client cannot make the
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from starlette.exceptions import HTTPException
 
-from loraplex.platform.errors import engine_overloaded, shutting_down, too_large
+from loraplex.platform.errors import APIError, engine_overloaded, too_large
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
@@ -35,10 +35,12 @@ class ShedMiddleware:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.paths:
             gw = getattr(scope["app"].state, "gateway", None)
             error = None
-            if gw is not None and gw.is_draining:
-                gw.metrics.observe_shed("shutting_down")
-                error = shutting_down()
-            elif gw is not None and gw.engine.is_queue_full():
+            try:
+                if gw is not None:
+                    gw.refuse_if_draining()
+            except APIError as e:
+                error = e
+            if error is None and gw is not None and gw.engine.is_queue_full():
                 gw.metrics.observe_shed("engine_queue_full")
                 error = engine_overloaded()
             if error is not None:

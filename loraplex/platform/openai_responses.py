@@ -6,7 +6,7 @@ cost a validation each.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 from pydantic import BaseModel
 
@@ -29,14 +29,23 @@ class ChatChoice(BaseModel):
     finish_reason: str | None
 
 
-class ChatCompletion(BaseModel):
+ChoiceT = TypeVar("ChoiceT")
+
+
+class _Completion(BaseModel, Generic[ChoiceT]):
+    """What a chat and a text completion share; `object` and the choices' shape tell them apart."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
+    object: str
+    created: int  # Unix seconds
     model: str
     system_fingerprint: None = None
-    choices: list[ChatChoice]
+    choices: list[ChoiceT]
     usage: UsageBody
+
+
+class ChatCompletion(_Completion[ChatChoice]):
+    object: Literal["chat.completion"] = "chat.completion"
 
 
 class TextChoice(BaseModel):
@@ -46,14 +55,8 @@ class TextChoice(BaseModel):
     finish_reason: str | None
 
 
-class TextCompletion(BaseModel):
-    id: str
+class TextCompletion(_Completion[TextChoice]):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: None = None
-    choices: list[TextChoice]
-    usage: UsageBody
 
 
 class ModelCard(BaseModel):
