@@ -2,15 +2,16 @@
 
 Order for every request, each step refusing before the next costs anything: refuse while the gateway
 shuts down or the engine's queue is full (503, before the body is read: `middleware.ShedMiddleware`);
-resolve `model` (404 for anything not the base model or the caller's own adapter);
+resolve `model` (404 for anything not the base model or the caller's own adapter; read in the same
+database session as the API key, `api/deps.get_model_call`);
 bound the fan-out (`n`, prompts, sequences: 400 before tokenizing); tokenize off the event loop; check
 lengths and sampling values against the model (400 naming the field); reserve quota (429); register the
 adapter if needed; queue the call's engine requests all or none (503 `server_overloaded` when the
 engine's waiting queue has no room, by count, tokens or estimated wait; the reservation is refunded).
 A detached task waits for the engine requests to end, then refunds unused tokens, records usage and
 metrics: it runs whether the client stayed, left, or the engine failed.
-A route calls `prepare` (everything up to the quota, giving one immutable `Completion`) and `serve`
-(the rest), and nothing else.
+A route calls `Completions.prepare` (everything up to the quota, giving one immutable `Completion`) and
+`Completions.serve` (the rest), and nothing else.
 A request the engine ended for a fault of its own answers 503 `engine_error` with retry-after.
 """
 
@@ -21,17 +22,16 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from loraplex.engine.errors import EngineOverloadedError
 from loraplex.engine.sampling_params import ParamError, SamplingParams, check_stop_token_ids, check_top_k
-from loraplex.platform import crud, tenant_adapters
-from loraplex.platform.adapter_names import engine_name
-from loraplex.platform.api.deps import Caller, QuotaGate
 from loraplex.platform.completion_response import response_body, stream
-from loraplex.platform.engine_client import Generation
+from loraplex.platform.config import Settings
+from loraplex.platform.engine_client import EngineClient, Generation
 from loraplex.platform.errors import (
     APIError,
     adapter_load_failed,
@@ -39,10 +39,15 @@ from loraplex.platform.errors import (
     invalid_request,
     model_not_found,
 )
-from loraplex.platform.gateway import Gateway
+from loraplex.platform.lifecycle import Lifecycle
+from loraplex.platform.metrics import Metrics
 from loraplex.platform.openai_schemas import ChatCompletionRequest, CompletionRequest
-from loraplex.platform.quotas.service import Ticket
-from loraplex.platform.usage import Usage
+from loraplex.platform.quotas.service import QuotaService, Ticket
+from loraplex.platform.tenant_adapters import Target
+from loraplex.platform.usage import Usage, UsageWriter
+
+if TYPE_CHECKING:
+    from loraplex.platform.api.deps import Caller, QuotaGate
 
 
 @dataclass(frozen=True)
@@ -89,64 +94,130 @@ def prompt_param_of(kind: str) -> str:
     return "messages" if kind == "chat" else "prompt"
 
 
-@dataclass(frozen=True)
-class Target:
-    """What `model` names: the base model (all None) or one of the caller's adapters."""
+class Completions:
+    """Runs chat and text completions for the routes, from a parsed body to the response (vLLM's
+    `OpenAIServing` role): checks against `settings` and the model of `engine`, admission through the
+    caller's quota, the engine run, usage in `usage` and counts in `metrics`; finalizing runs on
+    `lifecycle`, so it survives a client that disconnects and shutdown waits for it."""
 
-    adapter: str | None = None
-    engine_adapter: str | None = None
-    adapter_path: str | None = None
+    def __init__(self, engine: EngineClient, settings: Settings, quotas: QuotaService, usage: UsageWriter,
+                 metrics: Metrics, lifecycle: Lifecycle):
+        self.engine = engine
+        self.settings = settings
+        self.quotas = quotas
+        self.usage = usage
+        self.metrics = metrics
+        self.lifecycle = lifecycle
 
+    async def prepare(self, caller: Caller, target: Target | None, kind: str,
+                      body: ChatCompletionRequest | CompletionRequest, num_prompts: int,
+                      encode: Callable[[], list[list[int]]]) -> Completion:
+        """Everything that can refuse a call before it costs quota, in order: `model` (404 when `target`,
+        read with the caller's key, is None; 503 `adapter_load_failed` when its files are missing), the
+        fan-out (400 before tokenizing), `encode()` (run off the event loop; it may raise APIError), lengths
+        and sampling values against the model (400 naming the field)."""
+        if target is None:
+            raise model_not_found(body.model)
+        if target.adapter is not None and target.adapter_path is None:
+            raise adapter_load_failed(target.adapter, "its files are missing.")
+        check_fan_out(self.settings, kind, body.n, num_prompts)
+        prompts = await asyncio.to_thread(encode)
+        if any(not p for p in prompts):
+            raise invalid_request("The prompt is empty.", param=prompt_param_of(kind))
+        max_tokens = check_lengths(self.engine, self.settings, kind, body, prompts)
+        params = sampling_params(self.engine.model_config.vocab_size, body, len(prompts), max_tokens)
+        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        return Completion(kind, body, tuple(prompts), max_tokens, tuple(params), request_id, int(time.time()),
+                          target.adapter, target.engine_adapter, target.adapter_path)
 
-async def prepare(gw: Gateway, caller: Caller, kind: str, body: ChatCompletionRequest | CompletionRequest,
-                  num_prompts: int, encode: Callable[[], list[list[int]]]) -> Completion:
-    """Everything that can refuse a call before it costs quota, in order: `model` (404), the fan-out (400
-    before tokenizing), `encode()` (run off the event loop; it may raise APIError), lengths and sampling
-    values against the model (400 naming the field)."""
-    target = await resolve_model(gw, caller.tenant_id, body.model)
-    check_fan_out(gw, kind, body.n, num_prompts)
-    prompts = await asyncio.to_thread(encode)
-    if any(not p for p in prompts):
-        raise invalid_request("The prompt is empty.", param=prompt_param_of(kind))
-    max_tokens = check_lengths(gw, kind, body, prompts)
-    params = sampling_params(gw, body, len(prompts), max_tokens)
-    request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    return Completion(kind, body, tuple(prompts), max_tokens, tuple(params), request_id, int(time.time()),
-                      target.adapter, target.engine_adapter, target.adapter_path)
-
-
-def overloaded_answer(gw: Gateway, caller: Caller, c: Completion, retry_after_s: float = 1.0) -> APIError:
-    """The 503 for a call the engine shed because its queue has no room, counted in /metrics."""
-    gw.metrics.observe_shed("engine_queue_full")
-    gw.metrics.observe_request(caller.tenant_name, c.endpoint, "503")
-    return engine_overloaded(retry_after_s)
-
-
-async def resolve_model(gw: Gateway, tenant_id: int, model: str) -> Target:
-    if model == gw.engine.model_id:
-        return Target()
-
-    def lookup():
-        with gw.sessions() as s:
-            row = crud.get_adapter(s, tenant_id, model)
-        if row is None:
-            return None, None
+    async def serve(self, request: Request, gate: QuotaGate, c: Completion) -> Response:
+        """Admit, run and answer one prepared call (JSON or an SSE stream). Its adapter, if any, is held from
+        here until `_finalize` (or an error here) releases it, so deleting it waits for this call."""
+        if c.engine_adapter is not None:
+            self.engine.hold(c.engine_adapter)
+        running = False
         try:
-            return row, tenant_adapters.adapter_dir(gw, row)
-        except KeyError:
-            return row, None
+            gen, ticket = await self._start(request, gate, c)
+            running = True  # from here on, _finalize releases the adapter
+        finally:
+            if c.engine_adapter is not None and not running:
+                self.engine.release(c.engine_adapter)
+        finalized = self.lifecycle.spawn(self._finalize(gate.caller, c, gen, ticket))
+        if c.body.stream:
+            headers = {**ticket.headers, "cache-control": "no-cache", "x-request-id": c.request_id}
+            return StreamingResponse(stream(c, gen, finalized), media_type="text/event-stream", headers=headers)
+        if not await wait_or_disconnect(request, gen):
+            return Response(status_code=499)  # nobody is listening
+        await asyncio.shield(finalized)  # the client sees its response after its quota is settled
+        return JSONResponse(response_body(c, gen).model_dump(),
+                            headers={**ticket.headers, "x-request-id": c.request_id})
 
-    row, path = await asyncio.to_thread(lookup)
-    if row is None:
-        raise model_not_found(model)
-    if path is None:
-        raise adapter_load_failed(row.name, "its files are missing.")
-    return Target(row.name, engine_name(tenant_id, row.name, row.digest), str(path))
+    def overloaded_answer(self, caller: Caller, c: Completion, retry_after_s: float = 1.0) -> APIError:
+        """The 503 for a call the engine shed because its queue has no room, counted in /metrics."""
+        self.metrics.observe_shed("engine_queue_full")
+        self.metrics.observe_request(caller.tenant_name, c.endpoint, "503")
+        return engine_overloaded(retry_after_s)
+
+    async def _start(self, request: Request, gate: QuotaGate, c: Completion) -> tuple[Generation, Ticket]:
+        """Reserve quota, register the adapter if needed and queue the call's engine requests, all or none."""
+        body, caller, engine = c.body, gate.caller, self.engine
+        # Admission counts the call as the sequences it runs: each reserves its prompt and max_tokens and holds
+        # a concurrency slot. The refund at the end brings the charge down to the usage reported.
+        cost = body.n * c.num_prompt_tokens + c.num_sequences * c.max_tokens
+        try:
+            ticket = await gate.admit(cost, c.request_id, c.num_sequences, "n" if body.n > 1 else c.prompt_param)
+        except APIError as e:
+            self.metrics.observe_request(caller.tenant_name, c.endpoint, str(e.status_code))
+            raise
+        try:
+            if c.engine_adapter is not None:
+                await engine.ensure_adapter(c.engine_adapter, c.adapter_path)
+            prompts = [p for p in c.prompts for _ in range(body.n)]
+            try:
+                gen = await Generation.start(engine, prompts, list(c.params), c.engine_adapter, c.request_id,
+                                             caller.tenant_id)
+            finally:
+                engine.stop_admitting(request.scope.setdefault("state", {}))
+        except BaseException as exc:  # nothing ran: the reservation, the slots and the RPM unit go back
+            self.lifecycle.spawn(self.quotas.settle(ticket, 0, ran=False))
+            if isinstance(exc, EngineOverloadedError):
+                raise self.overloaded_answer(caller, c, exc.retry_after_s) from None
+            if isinstance(exc, ValueError):
+                raise invalid_request(f"The engine refused the request: {exc}",
+                                      param=getattr(exc, "param", None)) from None
+            raise
+        return gen, ticket
+
+    async def _finalize(self, caller: Caller, c: Completion, gen: Generation, ticket: Ticket) -> None:
+        """Once the engine requests end: release the adapter, settle the quota, record usage and metrics."""
+        await gen.wait()
+        if c.engine_adapter is not None:
+            self.engine.release(c.engine_adapter)
+        num_completion = gen.num_completion_tokens
+        ran = not all(ch.adapter_failed for ch in gen.choices)  # else its adapter never loaded: nothing is charged
+        num_prompt = c.num_prompt_tokens if ran else 0
+        await self.quotas.settle(ticket, num_prompt + num_completion, ran=ran)
+        if any(ch.error is not None for ch in gen.choices):
+            status = "error"
+        elif gen.is_cancelled or any(ch.finish_reason == "abort" for ch in gen.choices):
+            status = "aborted"  # by the gateway: the client left, or shutdown's grace period ran out
+        else:
+            status = "ok"
+        ttfts = [ch.ttft_s for ch in gen.choices if ch.ttft_s is not None]
+        latencies = [ch.latency_s for ch in gen.choices if ch.latency_s is not None]
+        self.usage.record(Usage(request_id=c.request_id, tenant_id=caller.tenant_id, api_key_id=caller.key_id,
+                                adapter=c.adapter, endpoint=c.endpoint, status=status,
+                                num_prompt_tokens=num_prompt, num_completion_tokens=num_completion,
+                                ttft_s=min(ttfts) if ttfts else None,
+                                latency_s=max(latencies) if latencies else None))
+        self.metrics.observe_request(caller.tenant_name, c.endpoint, status)
+        for i, ch in enumerate(gen.choices):
+            self.metrics.observe_generation(caller.tenant_name, num_prompt if i == 0 else 0,
+                                            len(ch.token_ids), ch.ttft_s, ch.latency_s)
 
 
-def check_fan_out(gw: Gateway, kind: str, n: int, num_prompts: int) -> None:
+def check_fan_out(settings: Settings, kind: str, n: int, num_prompts: int) -> None:
     """`n`, the prompt list and n x prompts against the settings, before anything is tokenized."""
-    settings = gw.settings
     if not 1 <= n <= settings.max_n:
         raise invalid_request(f"n must be an integer in [1, {settings.max_n}], got {n}.", param="n")
     limit = settings.max_sequences_per_request
@@ -158,10 +229,10 @@ def check_fan_out(gw: Gateway, kind: str, n: int, num_prompts: int) -> None:
                               "are allowed per request.", param="n")
 
 
-def check_lengths(gw: Gateway, kind: str, body: ChatCompletionRequest | CompletionRequest,
+def check_lengths(eng: EngineClient, settings: Settings, kind: str, body: ChatCompletionRequest | CompletionRequest,
                   prompts: list[list[int]]) -> int:
     """Prompt tokens per call, the context and max_tokens; returns max_tokens per choice."""
-    eng, settings, prompt_param = gw.engine, gw.settings, prompt_param_of(kind)
+    prompt_param = prompt_param_of(kind)
     total = sum(len(p) for p in prompts)
     if total > settings.max_prompt_tokens_per_request:
         raise invalid_request(f"The prompts have {total} tokens; at most {settings.max_prompt_tokens_per_request} "
@@ -189,11 +260,10 @@ def check_lengths(gw: Gateway, kind: str, body: ChatCompletionRequest | Completi
     return requested
 
 
-def sampling_params(gw: Gateway, body: ChatCompletionRequest | CompletionRequest, num_prompts: int,
+def sampling_params(vocab: int, body: ChatCompletionRequest | CompletionRequest, num_prompts: int,
                     max_tokens: int) -> list[SamplingParams]:
     """One SamplingParams per sequence (choice j of a prompt gets seed + j, wrapped to 64 bits), checked
     against the model."""
-    vocab = gw.engine.model_config.vocab_size
     try:
         top_k = -1 if body.top_k is None else check_top_k(body.top_k, vocab)
         stop_token_ids = check_stop_token_ids(body.stop_token_ids, vocab)
@@ -205,85 +275,6 @@ def sampling_params(gw: Gateway, body: ChatCompletionRequest | CompletionRequest
                 for _ in range(num_prompts) for j in range(body.n)]
     except ParamError as e:
         raise invalid_request(str(e), param=e.param) from None
-
-
-async def serve(request: Request, gw: Gateway, gate: QuotaGate, c: Completion) -> Response:
-    """Admit, run and answer one prepared call (JSON or an SSE stream). Its adapter, if any, is held from
-    here until `finalize` (or an error here) releases it, so deleting it waits for this call."""
-    if c.engine_adapter is not None:
-        gw.engine.hold(c.engine_adapter)
-    running = False
-    try:
-        gen, ticket = await _start(request, gw, gate, c)
-        running = True  # from here on, finalize releases the adapter
-    finally:
-        if c.engine_adapter is not None and not running:
-            gw.engine.release(c.engine_adapter)
-    finalized = gw.spawn(finalize(gw, gate, c, gen, ticket))
-    if c.body.stream:
-        headers = {**ticket.headers, "cache-control": "no-cache", "x-request-id": c.request_id}
-        return StreamingResponse(stream(c, gen, finalized), media_type="text/event-stream", headers=headers)
-    if not await wait_or_disconnect(request, gen):
-        return Response(status_code=499)  # nobody is listening
-    await asyncio.shield(finalized)  # the client sees its response after its quota is settled
-    return JSONResponse(response_body(c, gen).model_dump(), headers={**ticket.headers, "x-request-id": c.request_id})
-
-
-async def _start(request: Request, gw: Gateway, gate: QuotaGate, c: Completion) -> tuple[Generation, Ticket]:
-    """Reserve quota, register the adapter if needed and queue the call's engine requests, all or none."""
-    body, caller = c.body, gate.caller
-    # Admission counts the call as the sequences it runs: each reserves its prompt and max_tokens and holds
-    # a concurrency slot. The refund at the end brings the charge down to the usage reported.
-    cost = body.n * c.num_prompt_tokens + c.num_sequences * c.max_tokens
-    try:
-        ticket = await gate.admit(cost, c.request_id, c.num_sequences, "n" if body.n > 1 else c.prompt_param)
-    except APIError as e:
-        gw.metrics.observe_request(caller.tenant_name, c.endpoint, str(e.status_code))
-        raise
-    try:
-        if c.engine_adapter is not None:
-            await gw.engine.ensure_adapter(c.engine_adapter, c.adapter_path)
-        prompts = [p for p in c.prompts for _ in range(body.n)]
-        try:
-            gen = await Generation.start(gw.engine, prompts, list(c.params), c.engine_adapter, c.request_id,
-                                         caller.tenant_id)
-        finally:
-            gw.engine.stop_admitting(request.scope.setdefault("state", {}))
-    except BaseException as exc:  # nothing ran: the reservation, the slots and the RPM unit go back
-        gw.spawn(gw.quotas.settle(ticket, 0, ran=False))
-        if isinstance(exc, EngineOverloadedError):
-            raise overloaded_answer(gw, caller, c, exc.retry_after_s) from None
-        if isinstance(exc, ValueError):
-            raise invalid_request(f"The engine refused the request: {exc}", param=getattr(exc, "param", None)) from None
-        raise
-    return gen, ticket
-
-
-async def finalize(gw: Gateway, gate: QuotaGate, c: Completion, gen: Generation, ticket: Ticket) -> None:
-    await gen.wait()
-    if c.engine_adapter is not None:
-        gw.engine.release(c.engine_adapter)
-    num_completion = gen.num_completion_tokens
-    ran = not all(ch.adapter_failed for ch in gen.choices)  # else its adapter never loaded: nothing is charged
-    num_prompt = c.num_prompt_tokens if ran else 0
-    await gw.quotas.settle(ticket, num_prompt + num_completion, ran=ran)
-    if any(ch.error is not None for ch in gen.choices):
-        status = "error"
-    elif gen.is_cancelled or any(ch.finish_reason == "abort" for ch in gen.choices):
-        status = "aborted"  # by the gateway: the client left, or shutdown's grace period ran out
-    else:
-        status = "ok"
-    ttfts = [ch.ttft_s for ch in gen.choices if ch.ttft_s is not None]
-    latencies = [ch.latency_s for ch in gen.choices if ch.latency_s is not None]
-    caller = gate.caller
-    gw.usage.record(Usage(request_id=c.request_id, tenant_id=caller.tenant_id, api_key_id=caller.key_id,
-                          adapter=c.adapter, endpoint=c.endpoint, status=status,
-                          num_prompt_tokens=num_prompt, num_completion_tokens=num_completion,
-                          ttft_s=min(ttfts) if ttfts else None, latency_s=max(latencies) if latencies else None))
-    gw.metrics.observe_request(caller.tenant_name, c.endpoint, status)
-    for i, ch in enumerate(gen.choices):
-        gw.metrics.observe_generation(caller.tenant_name, num_prompt if i == 0 else 0,
-                                      len(ch.token_ids), ch.ttft_s, ch.latency_s)
 
 
 async def wait_or_disconnect(request: Request, gen: Generation) -> bool:

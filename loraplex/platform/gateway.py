@@ -1,10 +1,10 @@
 """The gateway's long-lived parts, built once per app in its lifespan: database, engine, quota counters,
-usage writer, metrics and adapter store. Routes reach them through `api/deps.py`."""
+usage writer, metrics, adapter store, and the services the routes call (completions, tenant adapters,
+the lifecycle of detached work). Routes reach them through `api/deps.py`."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import dataclass, field
 
@@ -13,20 +13,22 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.adapters.store import AdapterStore
 from loraplex.platform import crud, db
+from loraplex.platform.completion import Completions
 from loraplex.platform.config import QuotaDefaults, Settings
 from loraplex.platform.engine_client import EngineClient
-from loraplex.platform.errors import shutting_down
+from loraplex.platform.lifecycle import Lifecycle
 from loraplex.platform.metrics import Metrics
 from loraplex.platform.quotas.memory import MemoryBackend
 from loraplex.platform.quotas.service import QuotaService
 from loraplex.platform.store_migrations import adopt_legacy_files
+from loraplex.platform.tenant_adapters import TenantAdapters
 from loraplex.platform.usage import UsageWriter, tokens_since
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
 class Gateway:
+    """What one gateway process runs on. Routes take its parts through `api/deps.py`, not the whole."""
+
     settings: Settings
     quota_defaults: QuotaDefaults
     db: Engine
@@ -36,42 +38,18 @@ class Gateway:
     usage: UsageWriter
     metrics: Metrics
     store: AdapterStore
+    lifecycle: Lifecycle
+    completions: Completions
+    adapters: TenantAdapters
     owns_engine: bool = True
     started_at: int = field(default_factory=lambda: int(time.time()))
-    background: set[asyncio.Task] = field(default_factory=set)
-    is_draining: bool = False  # shutting down: new work is refused with 503, running requests finish
-
-    def spawn(self, coro) -> asyncio.Task:
-        """Run `coro` detached from the request (it survives a client that disconnects)."""
-        task = asyncio.create_task(coro)
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
-        return task
-
-    def refuse_if_draining(self) -> None:
-        """Raise 503 `server_shutting_down` (with retry-after) once `drain` has begun."""
-        if self.is_draining:
-            self.metrics.observe_shed("shutting_down")
-            raise shutting_down()
 
     async def drain(self, grace_s: float) -> bool:
-        """Stop admitting (routes answer 503 `server_shutting_down`, /health 503) and wait up to `grace_s`
-        seconds for the running requests to finish and their usage to be recorded. True if they all did;
-        otherwise the rest are aborted (their usage is recorded as aborted when they end)."""
-        self.is_draining = True
-        deadline = time.monotonic() + grace_s
-        while self.background and time.monotonic() < deadline:
-            await asyncio.wait(list(self.background), timeout=min(0.5, max(0.0, deadline - time.monotonic())))
-        if not self.background:
-            return True
-        logger.warning("shutdown grace of %.0f s is over: aborting %d running request(s)", grace_s,
-                       len(self.background))
-        await self.engine.abort_all()
-        return False
+        """Stop admitting and wait up to `grace_s` seconds for running requests (`Lifecycle.drain`)."""
+        return await self.lifecycle.drain(grace_s, self.engine.abort_all)
 
     async def close(self) -> None:
-        if self.background:
-            await asyncio.wait(list(self.background), timeout=30)
+        await self.lifecycle.wait(30)
         await asyncio.to_thread(self.usage.close)
         await self.quotas.close()
         if self.owns_engine:
@@ -114,6 +92,10 @@ def open_gateway(settings: Settings, engine: EngineClient | None = None, *, migr
     owns_engine = engine is None
     if engine is None:
         engine = load_engine(settings)
+    metrics, usage = Metrics(), UsageWriter(sessions)
+    lifecycle = Lifecycle(metrics)
     return Gateway(settings=settings, quota_defaults=QuotaDefaults(), db=db_engine, sessions=sessions,
-                   engine=engine, quotas=quotas, usage=UsageWriter(sessions), metrics=Metrics(),
-                   store=store, owns_engine=owns_engine)
+                   engine=engine, quotas=quotas, usage=usage, metrics=metrics, store=store, lifecycle=lifecycle,
+                   completions=Completions(engine, settings, quotas, usage, metrics, lifecycle),
+                   adapters=TenantAdapters(sessions, store, engine, lifecycle, settings.max_upload_bytes),
+                   owns_engine=owns_engine)

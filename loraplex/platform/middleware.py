@@ -37,7 +37,7 @@ class ShedMiddleware:
             error = None
             try:
                 if gw is not None:
-                    gw.refuse_if_draining()
+                    gw.lifecycle.refuse_if_draining()
             except APIError as e:
                 error = e
             if error is None and gw is not None and gw.engine.is_queue_full():

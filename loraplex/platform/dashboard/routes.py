@@ -1,7 +1,8 @@
 """The overview and tenant pages and their forms: /admin and /admin/ui/...
 
 Every change goes through the admin API's own handlers (`api/routes/admin.py`), so a quota saved here
-is validated the same way and holds from the tenant's next request.
+is validated the same way and holds from the tenant's next request. Unlike the API's routes these take
+the whole `Gateway`: a page shows tenants, quotas, usage rates and the engine's state at once.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ async def create_tenant(request: Request, gw: GatewayDep, op: Operator) -> Respo
 
     def create() -> dict:
         with gw.sessions() as s:
-            return admin.create_tenant(body, gw, s, None).model_dump()
+            return admin.create_tenant(body, gw.quota_defaults, s, None).model_dump()
 
     try:
         tenant = await asyncio.to_thread(create)
@@ -227,12 +228,12 @@ async def revoke_key(request: Request, tenant_id: int, key_id: int, gw: GatewayD
 @router.post("/ui/tenants/{tenant_id}/adapters/{name}/delete")
 async def delete_adapter(request: Request, tenant_id: int, name: str, gw: GatewayDep, op: Operator) -> Response:
     check_csrf(op.csrf_token, await request.form())
-    await admin.delete_adapter(tenant_id, name, gw, None)
+    await admin.delete_adapter(tenant_id, name, gw.adapters, None)
     return redirect(f"/admin/ui/tenants/{tenant_id}?notice=adapter-deleted")
 
 
 @router.post("/ui/tenants/{tenant_id}/delete")
 async def delete_tenant(request: Request, tenant_id: int, gw: GatewayDep, op: Operator) -> Response:
     check_csrf(op.csrf_token, await request.form())
-    await admin.delete_tenant(tenant_id, gw, None)
+    await admin.delete_tenant(tenant_id, gw.sessions, gw.adapters, None)
     return redirect("/admin?notice=tenant-deleted")

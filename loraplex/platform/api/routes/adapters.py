@@ -9,10 +9,18 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
 
-from loraplex.platform import crud, tenant_adapters
-from loraplex.platform.api.deps import CurrentCaller, EngineDep, GatewayDep, SessionDep, TenantQuota
+from loraplex.platform import crud
+from loraplex.platform.api.deps import (
+    CurrentCaller,
+    EngineDep,
+    LifecycleDep,
+    SessionDep,
+    TenantAdaptersDep,
+    TenantQuota,
+)
 from loraplex.platform.errors import invalid_request, not_found, too_large
 from loraplex.platform.openai_responses import AdapterCard, AdapterList, Deleted
+from loraplex.platform.tenant_adapters import adapter_card
 from loraplex.platform.uploads import UploadTooLarge
 
 router = APIRouter(prefix="/adapters", tags=["adapters"])
@@ -41,9 +49,10 @@ def _limited(receive, max_bytes: int):
 
 
 @router.post("", status_code=201, openapi_extra=UPLOAD_BODY)
-async def upload_adapter(request: Request, gw: GatewayDep, gate: TenantQuota) -> AdapterCard:
-    gw.refuse_if_draining()
-    limit = gw.settings.max_upload_bytes
+async def upload_adapter(request: Request, adapters: TenantAdaptersDep, lifecycle: LifecycleDep,
+                         gate: TenantQuota) -> AdapterCard:
+    lifecycle.refuse_if_draining()
+    limit = adapters.max_upload_bytes
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit + FORM_OVERHEAD:
         raise too_large(f"The upload is {length} bytes; the limit is {limit} bytes.")
@@ -60,18 +69,17 @@ async def upload_adapter(request: Request, gw: GatewayDep, gate: TenantQuota) ->
                 if filename in files:
                     raise invalid_request(f"The file {filename!r} is uploaded twice.", param="file")
                 files[filename] = value.file
-        row = await tenant_adapters.add_adapter(
-            gw, gate.caller.tenant_id, form.get("name"), files, max_adapters=gate.max_adapters,
-            max_adapter_bytes=gate.max_adapter_bytes)
+        row = await adapters.add(gate.caller.tenant_id, form.get("name"), files, max_adapters=gate.max_adapters,
+                                 max_adapter_bytes=gate.max_adapter_bytes)
     finally:
         await form.close()
-    return tenant_adapters.adapter_card(gw.engine.model_id, row)
+    return adapter_card(adapters.engine.model_id, row)
 
 
 @router.get("")
 def list_adapters(engine: EngineDep, caller: CurrentCaller, session: SessionDep) -> AdapterList:
     rows = crud.list_adapters(session, caller.tenant_id)
-    return AdapterList(data=[tenant_adapters.adapter_card(engine.model_id, r) for r in rows])
+    return AdapterList(data=[adapter_card(engine.model_id, r) for r in rows])
 
 
 @router.get("/{name}")
@@ -79,10 +87,10 @@ def get_adapter(name: str, engine: EngineDep, caller: CurrentCaller, session: Se
     row = crud.get_adapter(session, caller.tenant_id, name)
     if row is None:
         raise not_found(f"The adapter `{name}` does not exist.", param="name")
-    return tenant_adapters.adapter_card(engine.model_id, row)
+    return adapter_card(engine.model_id, row)
 
 
 @router.delete("/{name}")
-async def delete_adapter(name: str, gw: GatewayDep, caller: CurrentCaller) -> Deleted:
-    await tenant_adapters.delete_adapter(gw, caller.tenant_id, name)
+async def delete_adapter(name: str, adapters: TenantAdaptersDep, caller: CurrentCaller) -> Deleted:
+    await adapters.delete(caller.tenant_id, name)
     return Deleted(id=name, object="adapter")

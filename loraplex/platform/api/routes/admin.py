@@ -11,7 +11,7 @@ import datetime as dt
 from fastapi import APIRouter, Query
 from sqlalchemy.exc import IntegrityError
 
-from loraplex.platform import crud, tenant_adapters
+from loraplex.platform import crud
 from loraplex.platform.admin_schemas import (
     EngineOut,
     KeyCreated,
@@ -30,10 +30,19 @@ from loraplex.platform.admin_schemas import (
     tenant_out,
     usage_out,
 )
-from loraplex.platform.api.deps import AdminKey, EngineDep, GatewayDep, QuotasDep, SessionDep
+from loraplex.platform.api.deps import (
+    AdminKey,
+    EngineDep,
+    QuotaDefaultsDep,
+    QuotasDep,
+    SessionDep,
+    SessionsDep,
+    TenantAdaptersDep,
+)
 from loraplex.platform.errors import conflict, not_found
 from loraplex.platform.models import ApiKey, Tenant, utcnow
 from loraplex.platform.openai_responses import AdapterCard, Deleted
+from loraplex.platform.tenant_adapters import adapter_card
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 Offset = Query(0, ge=0)
@@ -49,10 +58,10 @@ def _tenant(session, tenant_id: int) -> Tenant:
 
 # tenants ----------------------------------------------------------------------------------------
 @router.post("/tenants", status_code=201)
-def create_tenant(body: TenantIn, gw: GatewayDep, session: SessionDep, _: AdminKey) -> TenantOut:
+def create_tenant(body: TenantIn, defaults: QuotaDefaultsDep, session: SessionDep, _: AdminKey) -> TenantOut:
     quota = body.quota.model_dump(exclude_unset=True) if body.quota else None
     try:
-        tenant = crud.create_tenant(session, body.name, gw.quota_defaults, quota)
+        tenant = crud.create_tenant(session, body.name, defaults, quota)
         session.commit()
     except IntegrityError:
         raise conflict(f"A tenant named `{body.name}` exists.", param="name") from None
@@ -82,18 +91,18 @@ def update_tenant(tenant_id: int, body: TenantPatch, session: SessionDep, _: Adm
 
 
 @router.delete("/tenants/{tenant_id}")
-async def delete_tenant(tenant_id: int, gw: GatewayDep, _: AdminKey) -> Deleted:
+async def delete_tenant(tenant_id: int, sessions: SessionsDep, adapters: TenantAdaptersDep, _: AdminKey) -> Deleted:
     """Revokes its keys at once (they are deleted), unloads its adapters, keeps its usage history."""
 
     def names() -> list[str]:
-        with gw.sessions() as s:
+        with sessions() as s:
             return [a.name for a in crud.list_adapters(s, _tenant(s, tenant_id).id)]
 
     for name in await asyncio.to_thread(names):
-        await tenant_adapters.delete_adapter(gw, tenant_id, name)
+        await adapters.delete(tenant_id, name)
 
     def delete() -> None:
-        with gw.sessions.begin() as s:
+        with sessions.begin() as s:
             s.delete(_tenant(s, tenant_id))
 
     await asyncio.to_thread(delete)
@@ -143,12 +152,12 @@ def revoke_key(key_id: int, session: SessionDep, _: AdminKey) -> KeyOut:
 @router.get("/tenants/{tenant_id}/adapters")
 def list_adapters(tenant_id: int, engine: EngineDep, session: SessionDep, _: AdminKey) -> ObjectList[AdapterCard]:
     rows = crud.list_adapters(session, _tenant(session, tenant_id).id)
-    return ObjectList(data=[tenant_adapters.adapter_card(engine.model_id, r) for r in rows])
+    return ObjectList(data=[adapter_card(engine.model_id, r) for r in rows])
 
 
 @router.delete("/tenants/{tenant_id}/adapters/{name}")
-async def delete_adapter(tenant_id: int, name: str, gw: GatewayDep, _: AdminKey) -> Deleted:
-    await tenant_adapters.delete_adapter(gw, tenant_id, name)
+async def delete_adapter(tenant_id: int, name: str, adapters: TenantAdaptersDep, _: AdminKey) -> Deleted:
+    await adapters.delete(tenant_id, name)
     return Deleted(id=name, object="adapter")
 
 

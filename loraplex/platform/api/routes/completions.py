@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from loraplex.platform import completion
-from loraplex.platform.api.deps import GatewayDep, TenantQuota
+from loraplex.platform.api.deps import CompletionsDep, ModelCallDep
 from loraplex.platform.openai_responses import TextCompletion
 from loraplex.platform.openai_schemas import CompletionRequest
 
@@ -16,13 +15,13 @@ router = APIRouter(tags=["completions"])
              responses={200: {"content": {"text/event-stream": {}},
                               "description": "A text_completion, or with stream: true text_completion events "
                                              "ending with `data: [DONE]`"}})
-async def create_completion(body: CompletionRequest, request: Request, gw: GatewayDep, gate: TenantQuota):
+async def create_completion(body: CompletionRequest, request: Request, completions: CompletionsDep, call: ModelCallDep):
     prompt = body.prompt
     # str, [str, ...], [int, ...] or [[int, ...], ...] -> token id lists
     prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
 
     def encode() -> list[list[int]]:
-        return [gw.engine.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return [completions.engine.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
-    c = await completion.prepare(gw, gate.caller, "completion", body, body.num_prompts, encode)
-    return await completion.serve(request, gw, gate, c)
+    c = await completions.prepare(call.gate.caller, call.target, "completion", body, body.num_prompts, encode)
+    return await completions.serve(request, call.gate, c)

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from loraplex.platform.api.deps import EngineDep, GatewayDep, MetricsDep
+from loraplex.platform.api.deps import EngineDep, LifecycleDep, MetricsDep
 
 router = APIRouter(tags=["health"])
 
@@ -21,8 +21,8 @@ class Health(BaseModel):
 
 @router.get("/health", response_model=Health,
             responses={503: {"model": Health, "description": "draining: shutting down, send elsewhere"}})
-async def health(gw: GatewayDep):
-    if gw.is_draining:
+async def health(lifecycle: LifecycleDep):
+    if lifecycle.is_draining:
         return JSONResponse({"status": "draining"}, status_code=503, headers={"retry-after": "1"})
     return Health(status="ok")
 

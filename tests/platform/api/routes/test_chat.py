@@ -248,3 +248,25 @@ def test_bad_input_is_never_a_500(make_tenant):
             r = t.client.post(path, content=content, headers={"content-type": "application/json"})
             assert 400 <= r.status_code < 500, (path, content, r.text)
             assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_the_key_and_the_model_are_read_in_one_database_session(gateway, two_tenants, monkeypatch):
+    """Authentication and what `model` names share one short session: a request does not check out a
+    second connection to look up its adapter (the usage writer has its own reference, counted apart)."""
+    a, _ = two_tenants
+    opened = []
+    sessions = gateway.sessions
+
+    def counting(*args, **kwargs):
+        opened.append(1)
+        return sessions(*args, **kwargs)
+
+    counting.begin = sessions.begin
+    monkeypatch.setattr(gateway, "sessions", counting)
+    for model, status in (("mine", 200), (BASE_MODEL, 200), ("nobody-has-this", 404)):
+        opened.clear()
+        r = a.client.post("/v1/chat/completions", json={"model": model, "max_tokens": 2,
+                                                        "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == status, r.text
+        assert len(opened) == 1, model
+    assert r.json()["error"]["code"] == "model_not_found"
