@@ -4,7 +4,8 @@ The rules mirror PEFT 0.21.2 (`peft/tuners/tuners_utils.py::check_target_module_
 `_maybe_include_all_linear_layers`, `inject_adapter`; `peft/utils/other.py::get_pattern_key`;
 `peft/tuners/lora/model.py::_create_and_replace`; `peft/tuners/lora/layer.py::update_layer`), applied to
 the base model's module names (`model.layers.3.self_attn.q_proj`), so that we target exactly the modules
-that `PeftModel.from_pretrained` would wrap, with the same rank and scaling:
+that `PeftModel.from_pretrained` would wrap, with the same rank and scaling (one file, about 350 lines:
+these rules are one specification and are checked against PEFT together):
 
 - target_modules, list: a module is selected if its name equals an entry or ends with "." + entry.
   An exact full-name match skips the layers_to_transform filter, unless the list has >= 20 entries

@@ -20,6 +20,9 @@ multiplies vectors on CUDA cores; taller tiles use tl.dot.
 Slices travel as a table of raw device addresses (`_slice_table`), not a stacked copy of their
 buffers, so a launch costs no copy of the adapters' weights.
 
+One file (over 350 lines): the two kernels, their launchers and the slice table share one layout of
+the metadata and the buffers, and are read together.
+
 Invariants: a row without an adapter, and a row whose slot has rank 0 in a slice, is never written;
 every load is masked to the adapter's own r rank rows, so NaN in rows beyond its rank, in rows no
 adapter owns, or in a neighbouring adapter's pages of the same physical slot cannot leak.
