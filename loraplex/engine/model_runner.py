@@ -70,24 +70,21 @@ class ModelRunner:
         slot_ids: list[int] = []
         sample_rows: list[int] = []
         sampled: list[Request] = []
-        decodes: list[Request] = []
         prefills: list[PrefillChunk] = []
-        for req in reqs:
+        context_lens: list[int] = []
+        num_decodes = 0
+        for seq, req in enumerate(reqs):
             n = sched.num_scheduled_tokens[req.request_id]
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             row = len(ids)
             ids += req.all_token_ids[start:end]
             positions += range(start, end)
             slot_ids += [req.virtual_slot] * n
+            context_lens.append(end)
             if n == 1:
-                decodes.append(req)
-            elif start == 0:
-                prefills.append(PrefillChunk(row, n))
+                num_decodes += 1
             else:
-                table = self._block_tables([req.block_table], end)[0]  # [N_b]
-                i = torch.arange(n, device=self.device)[:, None]
-                j = torch.arange(table.numel() * self.block_size, device=self.device)[None, :]
-                prefills.append(PrefillChunk(row, n, block_table=table, mask=j <= start + i))
+                prefills.append(PrefillChunk(row, n, seq, start))
             if end == req.num_tokens:
                 sampled.append(req)
                 sample_rows.append(len(ids) - 1)
@@ -95,13 +92,9 @@ class ModelRunner:
                         for p in range(req.num_computed_tokens,
                                        req.num_computed_tokens + sched.num_scheduled_tokens[req.request_id])]
         attn = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=self.device),
-                                 block_size=self.block_size, num_decode_tokens=len(decodes), prefills=prefills)
-        if decodes:
-            lengths = [r.num_computed_tokens + 1 for r in decodes]
-            attn.decode_block_tables = self._block_tables([r.block_table for r in decodes], max(lengths))
-            c = attn.decode_block_tables.shape[1] * self.block_size
-            lens = torch.tensor(lengths, device=self.device)
-            attn.decode_mask = (torch.arange(c, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
+                                 block_size=self.block_size, num_decode_tokens=num_decodes,
+                                 block_tables=self._block_tables([r.block_table for r in reqs], max(context_lens)),
+                                 context_lens=context_lens, prefills=prefills)
         lora = build_lora_meta(slot_ids, self.device, slot_ranks=slot_ranks) if any(
             s >= 0 for s in slot_ids) else None
         as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)

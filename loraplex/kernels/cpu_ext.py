@@ -1,14 +1,16 @@
-"""The compiled CPU BGMV kernel (`csrc/bgmv_cpu.cpp`), built once per machine, checkout and PyTorch
-version.
+"""The compiled CPU kernels, built once per machine, checkout and PyTorch version: the BGMV LoRA kernel
+(`csrc/bgmv_cpu.cpp`) and the paged attention (`csrc/paged_attention_cpu.cpp`), one library.
 
 PyTorch's C++ extension loader compiles it with the machine's C++ compiler and ninja (about 20 s on
 a 2-core CPU) under `$TORCH_EXTENSIONS_DIR/loraplex` (default `~/.cache/torch_extensions/loraplex`);
 later processes load the built library in about 0.1 s. `scripts/install` builds it (`loraplex
-build-kernels`), so a server's first start does not. `get()` hands it out only on CPUs with AVX-512
-(its scalar path is the same maths but about 5x slower than the `embedding_bag` gathers, which run
-instead elsewhere). Where it cannot be built (no compiler, a build error) `get()` logs why once and
-returns None, and the CPU path falls back to the gathers (`cpu_bgmv.add_lora_bgmv`).
-`LORAPLEX_CPU_KERNEL=0` turns it off.
+build-kernels`), so a server's first start does not. `get()` hands it to the LoRA path only on CPUs
+with AVX-512 (the BGMV kernel's scalar path is the same maths but about 5x slower than the
+`embedding_bag` gathers, which run instead elsewhere); `load()` hands it to the attention on every
+CPU (its loop is compiled for AVX-512, AVX2 and plain x86-64). Where it cannot be built (no compiler, a
+build error) they log why once and return None, and the callers fall back to PyTorch
+(`cpu_bgmv.add_lora_bgmv`'s gathers, `attention.py`'s gather and sdpa). `LORAPLEX_CPU_KERNEL=0` turns
+it off.
 
 Builds are serialized by an OS lock on a file next to the build directory (released if the process
 dies); holding it, a lock file that PyTorch's loader left from a killed build is stale and removed,
@@ -33,7 +35,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "bgmv_cpu.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / "module.cpp", CSRC / "bgmv_cpu.cpp", CSRC / "paged_attention_cpu.cpp"]
 CFLAGS = ("-O3", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
@@ -45,12 +48,14 @@ vectorized = True  # the AVX-512 path where the CPU has it; False runs the scala
 
 
 def module_name() -> str:
-    """Name of the built library: the source, its path (one build per checkout: PyTorch's build files
-    name the source by path, and another checkout's would rebuild it), flags and PyTorch version hashed
+    """Name of the built library: the sources, their paths (one build per checkout: PyTorch's build files
+    name a source by path, and another checkout's would rebuild it), flags and PyTorch version hashed
     in, so a change to any of them builds a new one instead of loading a stale one."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(" ".join([str(SOURCE.resolve()), torch.__version__, *CFLAGS, *LDFLAGS]).encode())
-    return f"loraplex_bgmv_cpu_{digest.hexdigest()[:12]}"
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(" ".join([*(str(s.resolve()) for s in SOURCES), torch.__version__, *CFLAGS, *LDFLAGS]).encode())
+    return f"loraplex_cpu_{digest.hexdigest()[:12]}"
 
 
 def build_root() -> Path:
@@ -60,16 +65,16 @@ def build_root() -> Path:
 
 
 def get():
-    """The compiled module for the engine (functions `bgmv`, `avx512_available`,
-    `avx512_bf16_available`): None when turned off, when it cannot be built, or on a CPU without
-    AVX-512 (each logged once). Builds it on first use. Thread-safe."""
+    """The compiled module for the LoRA path (functions `bgmv`, `avx512_available`,
+    `avx512_bf16_available`, `paged_attention`): None when turned off, when it cannot be built, or on a
+    CPU without AVX-512 (each logged once). Builds it on first use. Thread-safe."""
     module = load()
     return module if module is not None and module.avx512_available() else None
 
 
 def load():
-    """The compiled module whatever the CPU (the tests run its scalar path), building it on first
-    use; None when turned off or when it cannot be built."""
+    """The compiled module whatever the CPU (the attention runs on every CPU; the tests run the BGMV
+    kernel's scalar path), building it on first use; None when turned off or when it cannot be built."""
     global _module, _tried
     if not enabled:
         return None
@@ -94,18 +99,19 @@ def _build():
             fcntl.flock(lock, fcntl.LOCK_EX)  # another process building it: wait for it, then load
             (build_dir / "lock").unlink(missing_ok=True)  # PyTorch's, left by a killed build: stale
             if not (build_dir / f"{name}.so").exists():
-                logger.warning("building the CPU LoRA kernel (once per machine and checkout, about 20 s)")
-            module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+                logger.warning("building the CPU kernels (once per machine and checkout, about 40 s)")
+            module = cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
                                         extra_ldflags=list(LDFLAGS), build_directory=str(build_dir),
                                         verbose=False)
-    except Exception as exc:  # no compiler or ninja, a build error: the gather path still works
+    except Exception as exc:  # no compiler or ninja, a build error: the PyTorch paths still work
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         # the compiler's own complaint (an error, a missing program) says more than ninja's last line
         said = [line for line in lines if "error:" in line.lower() or "not found" in line.lower()][:3]
-        logger.warning("CPU LoRA kernel not built (%s: %s); many-adapter CPU steps use the slower "
-                       "embedding_bag gathers", type(exc).__name__, " | ".join(said or lines[-1:]))
+        logger.warning("CPU kernels not built (%s: %s); many-adapter CPU steps use the slower embedding_bag "
+                       "gathers, and attention gathers the KV cache for PyTorch's sdpa", type(exc).__name__,
+                       " | ".join(said or lines[-1:]))
         return None
-    logger.info("CPU LoRA kernel ready in %.1f s (AVX-512: %s, AVX512-BF16: %s)", time.perf_counter() - start,
+    logger.info("CPU kernels ready in %.1f s (AVX-512: %s, AVX512-BF16: %s)", time.perf_counter() - start,
                 module.avx512_available(), module.avx512_bf16_available())
     if not module.avx512_available():
         logger.warning("this CPU has no AVX-512: many-adapter CPU steps use the embedding_bag gathers, "

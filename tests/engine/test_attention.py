@@ -1,82 +1,120 @@
-"""Decode attention over the paged KV cache in bf16/fp16 on CPU (`_decode_attention_cpu`) against
-`F.scaled_dot_product_attention` in fp32 math on each request's own K/V: GQA, ragged lengths, padding
-blocks, and NaN in every cache slot no request has written."""
+"""Paged attention over a step that mixes decodes, fresh prompts and continued prefill chunks, by the
+compiled CPU kernel and by the PyTorch path, against softmax attention in fp64 on each request's own
+K/V: GQA, ragged lengths, block ends, tiles cut from long chunks, scattered blocks, and NaN in every
+cache slot no request has written (padding reads block 0, which holds NaN too)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from loraplex.engine.attention import AttentionMetadata, paged_attention
+from loraplex.engine import attention
+from loraplex.engine.attention import AttentionMetadata, PrefillChunk, paged_attention
+from loraplex.kernels import cpu_ext
 
-NH, NKV, D, BLOCK = 9, 3, 64, 4
-LENGTHS = [1, 3, 4, 5, 11, 16, 17]  # context after this step's token: one position, block ends, ragged tails
+BLOCK = 4
+# (tokens computed before the step, tokens of this step): decodes first, as ModelRunner lays them out
+STEP = [(0, 1), (2, 1), (3, 1), (4, 1), (10, 1), (15, 1), (16, 1), (0, 7), (5, 3), (8, 37), (0, 40)]
 
 
-def decode_step(lengths: list[int], dtype: torch.dtype, gen: torch.Generator):
-    """A cache [num_slots, nKV, D] full of NaN but for positions 0..len-2 of each request, whose blocks
-    are scattered and never block 0 (the padding block, so padding reads NaN); this step's q [B_d, nH, D]
-    and k, v [B_d, nKV, D]; the metadata as ModelRunner.prepare builds it; and each request's full K, V
-    [len, nKV, D] (fp32, the values the cache holds in `dtype`)."""
-    width = -(-max(lengths) // BLOCK)
+def make_step(step, nh: int, nkv: int, d: int, dtype: torch.dtype, gen: torch.Generator):
+    """Caches full of NaN but for the earlier tokens of each request, in scattered blocks (never block
+    0); q, k, v of this step's rows; the metadata as ModelRunner.prepare builds it; each request's full
+    K, V [len, nKV, D] in fp64 (the values the cache holds in `dtype`) and its first row."""
+    lengths = [c + n for c, n in step]
+    width = -(-max(lengths) // BLOCK) + 1  # one padding block more than needed
     num_blocks = 1 + sum(-(-n // BLOCK) for n in lengths) + 3
-    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # never block 0
-    caches = [torch.full((num_blocks * BLOCK, NKV, D), float("nan"), dtype=dtype) for _ in range(2)]
-    tables, slots, kv = [], [], []
-    for n in lengths:
-        blocks = [order.pop() for _ in range(-(-n // BLOCK))]
-        pos_slots = torch.tensor([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)])
-        k, v = (torch.randn(n, NKV, D, generator=gen).to(dtype) for _ in range(2))
-        caches[0][pos_slots[:-1]], caches[1][pos_slots[:-1]] = k[:-1], v[:-1]
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    caches = [torch.full((num_blocks * BLOCK, nkv, d), float("nan"), dtype=dtype) for _ in range(2)]
+    tables, slots, qs, ks, vs, full, prefills = [], [], [], [], [], [], []
+    row = 0
+    for seq, (c, n) in enumerate(step):
+        blocks = [order.pop() for _ in range(-(-(c + n) // BLOCK))]
+        pos_slots = torch.tensor([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(c + n)])
+        k, v = (torch.randn(c + n, nkv, d, generator=gen).to(dtype) for _ in range(2))
+        caches[0][pos_slots[:c]], caches[1][pos_slots[:c]] = k[:c], v[:c]
         tables.append(blocks + [0] * (width - len(blocks)))
-        slots.append(pos_slots[-1])
-        kv.append((k.float(), v.float()))
-    q = torch.randn(len(lengths), NH, D, generator=gen).to(dtype)
-    k_new = torch.stack([k[-1] for k, _ in kv]).to(dtype)
-    v_new = torch.stack([v[-1] for _, v in kv]).to(dtype)
-    c = width * BLOCK
-    attn = AttentionMetadata(slot_mapping=torch.stack(slots), block_size=BLOCK, num_decode_tokens=len(lengths),
-                             decode_block_tables=torch.tensor(tables),
-                             decode_mask=(torch.arange(c)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :])
-    return q, k_new, v_new, tuple(caches), attn, kv
+        slots.append(pos_slots[c:])
+        qs.append(torch.randn(n, nh, d, generator=gen).to(dtype))
+        ks.append(k[c:])
+        vs.append(v[c:])
+        full.append((k.double(), v.double(), row))
+        if n > 1:
+            prefills.append(PrefillChunk(row, n, seq, c))
+        row += n
+    attn = AttentionMetadata(slot_mapping=torch.cat(slots), block_size=BLOCK,
+                             num_decode_tokens=sum(n == 1 for _, n in step), block_tables=torch.tensor(tables),
+                             context_lens=lengths, prefills=prefills)
+    return torch.cat(qs), torch.cat(ks), torch.cat(vs), tuple(caches), attn, full
 
 
-def reference(q: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """fp32 math attention of each request's query [nH, D] over its own K, V [len, nKV, D] -> [B_d, nH, D]."""
-    out = []
-    with sdpa_kernel(SDPBackend.MATH):
-        for qb, (k, v) in zip(q.float(), kv, strict=True):
-            o = F.scaled_dot_product_attention(qb[:, None], k.transpose(0, 1), v.transpose(0, 1), enable_gqa=True)
-            out.append(o[:, 0])
-    return torch.stack(out)
+def reference(q: torch.Tensor, step, full, nkv: int) -> torch.Tensor:
+    """Causal softmax attention in fp64: row i of a request with c earlier tokens sees positions 0..c+i."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    g = q.shape[1] // nkv
+    for (c, n), (k, v, row) in zip(step, full, strict=True):
+        for i in range(n):
+            qi = q[row + i].double().view(nkv, g, -1)  # [nKV, G, D]
+            kk, vv = k[:c + i + 1].transpose(0, 1), v[:c + i + 1].transpose(0, 1)  # [nKV, L, D]
+            s = qi @ kk.transpose(1, 2) / q.shape[-1] ** 0.5
+            out[row + i] = (s.softmax(-1) @ vv).reshape(q.shape[1:])
+    return out
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_decode_matches_fp32_sdpa_and_ignores_garbage(dtype):
+@pytest.fixture(params=["kernel", "torch"])
+def path(request, monkeypatch):
+    if request.param == "kernel":
+        if cpu_ext.load() is None:
+            pytest.fail("the CPU kernels must build here (CI has a compiler)")
+    else:
+        monkeypatch.setattr(attention.cpu_ext, "load", lambda: None)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 1, 32), (4, 4, 128)], ids=["gqa", "mqa-32", "mha"])
+def test_mixed_step_matches_fp64_attention(path, dtype, tol, heads):
+    nh, nkv, d = heads
     gen = torch.Generator().manual_seed(0)
-    q, k, v, cache, attn, kv = decode_step(LENGTHS, dtype, gen)
-    out = paged_attention(q, k, v, cache, attn)
+    q, k, v, caches, attn, full = make_step(STEP, nh, nkv, d, dtype, gen)
+    out = paged_attention(q, k, v, caches, attn)
     assert out.dtype == dtype and out.shape == q.shape
+    want = reference(q, STEP, full, nkv)
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.float(), reference(q, kv), atol=1e-2, rtol=1e-2)
-    # this step's K/V went to their slots
-    assert torch.equal(cache[0][attn.slot_mapping], k) and torch.equal(cache[1][attn.slot_mapping], v)
-    # a request of length 1 attends only to its own new token: the output is exactly its V, per group
-    expected = v[0].float().repeat_interleave(NH // NKV, dim=0)
-    torch.testing.assert_close(out[0].float(), expected, atol=0, rtol=0)
+    err = (out.double() - want).abs().max().item()
+    assert err <= tol, (path, err)
+    # this step's K/V landed in their slots
+    assert torch.equal(caches[0][attn.slot_mapping], k) and torch.equal(caches[1][attn.slot_mapping], v)
 
 
-def test_decode_rows_shared_by_layers():
-    """The gather index is built once per step and serves every layer, each with its own cache."""
-    q, k, v, cache, attn, kv = decode_step(LENGTHS, torch.bfloat16, torch.Generator().manual_seed(1))
-    # a second layer: same blocks, other values (exact scalings of the first layer's)
-    q2, k2, v2 = -q, k * 2, v * -0.5
-    cache2, kv2 = (cache[0] * 2, cache[1] * -0.5), [(kk * 2, vv * -0.5) for kk, vv in kv]
-    out = paged_attention(q, k, v, cache, attn)
-    rows = attn.decode_rows(NKV)
-    out2 = paged_attention(q2, k2, v2, cache2, attn)
-    assert attn.decode_rows(NKV) is rows
-    torch.testing.assert_close(out.float(), reference(q, kv), atol=1e-2, rtol=1e-2)
-    torch.testing.assert_close(out2.float(), reference(q2, kv2), atol=1e-2, rtol=1e-2)
+def test_kernel_and_torch_path_agree_to_fp32_rounding(monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, caches, attn, _ = make_step(STEP, 9, 3, 64, torch.float32, gen)
+    assert cpu_ext.load() is not None
+    fast = paged_attention(q, k, v, caches, attn)
+    monkeypatch.setattr(attention.cpu_ext, "load", lambda: None)
+    slow = paged_attention(q, k, v, caches, attn)
+    assert (fast - slow).abs().max().item() < 1e-6
+
+
+def test_long_chunks_are_cut_into_tiles():
+    attn = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.int64), block_size=BLOCK, num_decode_tokens=2,
+                             context_lens=[5, 9, 40], prefills=[PrefillChunk(2, 37, 2, 3)])
+    tiles = attn.tiles(3).tolist()
+    assert tiles == [[0, 1, 0, 5], [1, 1, 1, 9], [2, 16, 2, 4], [18, 16, 2, 20], [34, 5, 2, 36]]
+    assert attn.tiles(64).tolist()[2:4] == [[2, 4, 2, 4], [6, 4, 2, 8]]  # 4 rows x 64 heads = 256 queries
+
+
+def test_kernel_refuses_indices_outside_the_cache():
+    ext = cpu_ext.load()
+    q = torch.zeros(1, 9, 64)
+    cache = torch.zeros(8 * BLOCK, 3, 64)
+    tables = torch.tensor([[9]])  # block 9 of 8
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ext.paged_attention(torch.empty_like(q), q, cache, cache, tables, torch.tensor([[0, 1, 0, 2]]), BLOCK, 0.125)
+    with pytest.raises(RuntimeError, match="context out of range"):  # 5 keys of a 1-block table
+        ext.paged_attention(torch.empty_like(q), q, cache, cache, torch.tensor([[1]]), torch.tensor([[0, 1, 0, 5]]),
+                            BLOCK, 0.125)
+    with pytest.raises(RuntimeError, match="rows out of range"):
+        ext.paged_attention(torch.empty_like(q), q, cache, cache, torch.tensor([[1]]), torch.tensor([[0, 2, 0, 1]]),
+                            BLOCK, 0.125)

@@ -25,7 +25,7 @@ def test_builds_and_serves_the_engine_only_on_an_avx512_cpu(ext):
     assert ext.avx512_available() == all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
     assert ext.avx512_bf16_available() == (ext.avx512_available() and "avx512_bf16" in flags)
     assert (cpu_ext.get() is ext) == ext.avx512_available()
-    assert cpu_ext.module_name().startswith("loraplex_bgmv_cpu_")
+    assert cpu_ext.module_name().startswith("loraplex_cpu_")
     assert (cpu_ext.build_root() / cpu_ext.module_name() / f"{cpu_ext.module_name()}.so").exists()
 
 
@@ -108,10 +108,12 @@ def test_turned_off_or_unbuildable_falls_back_to_the_gathers(monkeypatch, caplog
     monkeypatch.setattr(cpu_ext, "enabled", True)
     monkeypatch.setattr(cpu_ext, "_tried", False)
     monkeypatch.setattr(cpu_ext, "_module", None)
-    monkeypatch.setattr(cpu_ext, "SOURCE", cpu_ext.SOURCE.with_name("missing.cpp"))
+    missing = cpu_ext.CSRC / "missing.cpp"
+    monkeypatch.setattr(cpu_ext, "SOURCES", [*cpu_ext.SOURCES, missing])
     with caplog.at_level("WARNING", logger="loraplex.kernels.cpu_ext"):
         assert cpu_ext.get() is None
         assert cpu_ext.get() is None  # tried once: no second build, no second warning
     assert [r.getMessage() for r in caplog.records] == [
-        f"CPU LoRA kernel not built (FileNotFoundError: [Errno 2] No such file or directory: "
-        f"{str(cpu_ext.SOURCE)!r}); many-adapter CPU steps use the slower embedding_bag gathers"]
+        f"CPU kernels not built (FileNotFoundError: [Errno 2] No such file or directory: {str(missing)!r}); "
+        "many-adapter CPU steps use the slower embedding_bag gathers, and attention gathers the KV cache for "
+        "PyTorch's sdpa"]

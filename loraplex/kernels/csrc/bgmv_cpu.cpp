@@ -349,9 +349,3 @@ void bgmv(at::Tensor y, at::Tensor x, at::Tensor order, at::Tensor sid, std::vec
   else if (dtype == at::kHalf) run<c10::Half>(y, x, order, sid, A, BT, ranks, offsets, page, vec);
   else run<float>(y, x, order, sid, A, BT, ranks, offsets, page, vec);
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("bgmv", &bgmv, "Multi-adapter LoRA, one adapter per row, in place on y (see the file's header)");
-  m.def("avx512_available", &avx512_available, "Whether this CPU runs the AVX-512 path");
-  m.def("avx512_bf16_available", &avx512_bf16_available, "Whether its bf16 shrink multiplies bf16 pairs");
-}

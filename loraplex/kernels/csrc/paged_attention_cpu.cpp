@@ -1,0 +1,193 @@
+// Paged attention on the CPU: every query row reads its request's K/V in place through the block
+// table, for decodes and prefill chunks alike; no gather into a padded copy and no mask tensor.
+//
+// Letters: T query rows of the step, nH query heads, nKV key/value heads (G = nH / nKV query heads
+// share one), D head dim, N_seq requests in the step, W blocks per block table row, bs block size.
+// Inputs: q [T, nH, D]; k_cache, v_cache [num_slots, nKV, D] (slot = block * bs + offset, this step's
+// K/V already written); block_tables [N_seq, W] int64; tiles [N_tiles, 4] int64, each
+// (row0, n, seq, ctx0): rows row0 .. row0 + n - 1 of request `seq`, where row row0 + i attends the keys
+// at positions 0 .. ctx0 + i - 1 (a decode: n = 1, ctx0 = its length; a prefill chunk starting at
+// position c: ctx0 = c + 1 for its first row, so the chunk is causal and sees the earlier chunks).
+// Output: out [T, nH, D], out[t, h] = softmax(q[t, h] . K^T / sqrt(D)) V over the row's keys, with
+// kv head g = h / G (GQA, as Hugging Face's repeat_kv).
+//
+// One work item is a tile of rows times one kv head: its n x G queries are scaled into fp32, then each
+// block of bs keys is read once for all of them (flash attention's tiling, Dao et al. 2022, with the
+// online softmax of Milakov & Gimelshein 2018: a running max and sum per query, the accumulator
+// rescaled once per block). Scores, softmax and P V run in fp32 whatever the cache's dtype (bf16 K/V
+// are widened as they are read), and a position past a row's context is never read, so whatever an
+// unused slot holds (even NaN) cannot enter a product. Work items are spread over PyTorch's own
+// OpenMP pool (at::parallel_for). The hot loop is compiled for AVX-512, AVX2+FMA and plain x86-64 and
+// picked at load time (GCC's target_clones), so one build runs on both CPU families.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxQueries = 256;  // n x G per work item (Python cuts tiles to fit)
+constexpr int64_t kMaxBlock = 64;
+constexpr int64_t kScratch = 2 * kMaxQueries * kMaxHeadDim + 2 * kMaxBlock * kMaxHeadDim + 2 * kMaxQueries + kMaxBlock;
+
+template <typename T>
+struct Args {
+  const T* q;
+  const T* k;
+  const T* v;
+  T* out;
+  const int64_t* tables;
+  int64_t q_row, q_head;         // strides of q and out, in elements
+  int64_t slot_stride, kv_head;  // strides of the caches
+  int64_t table_stride, bs, D, G;
+  float scale;
+};
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define LORAPLEX_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
+#else
+#define LORAPLEX_CLONES
+#endif
+
+// One tile (rows row0 .. row0 + n - 1 of request seq) and one kv head g.
+// scratch: kScratch floats, one buffer per thread.
+template <typename T>
+LORAPLEX_CLONES void attend(const Args<T>& a, int64_t row0, int64_t n, int64_t seq, int64_t ctx0, int64_t g,
+                            float* scratch) {
+  const int64_t D = a.D, G = a.G, M = n * G, bs = a.bs;
+  float* qf = scratch;                // [M, D] the queries, scaled
+  float* acc = qf + kMaxQueries * D;  // [M, D] running sum of p V
+  float* kf = acc + kMaxQueries * D;  // [bs, D] one block of K, widened
+  float* vf = kf + kMaxBlock * D;     // [bs, D] and of V
+  float* mx = vf + kMaxBlock * D;     // [M] running max of the scores
+  float* sum = mx + kMaxQueries;      // [M] running sum of exp(score - max)
+  float* s = sum + kMaxQueries;       // [bs] one query's scores in the block
+  for (int64_t m = 0; m < M; ++m) {
+    const T* qr = a.q + (row0 + m / G) * a.q_row + (g * G + m % G) * a.q_head;
+    float* qm = qf + m * D;
+    for (int64_t d = 0; d < D; ++d) qm[d] = float(qr[d]) * a.scale;
+    float* am = acc + m * D;
+    for (int64_t d = 0; d < D; ++d) am[d] = 0.f;
+    mx[m] = -std::numeric_limits<float>::infinity();
+    sum[m] = 0.f;
+  }
+  const int64_t last = ctx0 + n - 1;  // keys the tile's last row attends
+  const int64_t* table = a.tables + seq * a.table_stride;
+  for (int64_t start = 0; start < last; start += bs) {
+    const int64_t nk = std::min(bs, last - start);
+    const int64_t base = table[start / bs] * bs;
+    for (int64_t j = 0; j < nk; ++j) {
+      const T* kr = a.k + (base + j) * a.slot_stride + g * a.kv_head;
+      const T* vr = a.v + (base + j) * a.slot_stride + g * a.kv_head;
+      float* kj = kf + j * D;
+      float* vj = vf + j * D;
+      for (int64_t d = 0; d < D; ++d) kj[d] = float(kr[d]);
+      for (int64_t d = 0; d < D; ++d) vj[d] = float(vr[d]);
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t limit = std::min(nk, ctx0 + m / G - start);  // this query's keys in the block
+      if (limit <= 0) continue;
+      const float* qm = qf + m * D;
+      float best = mx[m];
+      for (int64_t j = 0; j < limit; ++j) {
+        const float* kj = kf + j * D;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qm[d] * kj[d];
+        s[j] = dot;
+        best = std::max(best, dot);
+      }
+      const float corr = std::exp(mx[m] - best);  // exp(-inf) = 0 on the first block
+      float* am = acc + m * D;
+      float total = sum[m] * corr;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) am[d] *= corr;
+      for (int64_t j = 0; j < limit; ++j) {
+        const float p = std::exp(s[j] - best);
+        total += p;
+        const float* vj = vf + j * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) am[d] += p * vj[d];
+      }
+      mx[m] = best;
+      sum[m] = total;
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    T* o = a.out + (row0 + m / G) * a.q_row + (g * G + m % G) * a.q_head;
+    const float inv = 1.f / sum[m];
+    const float* am = acc + m * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = T(am[d] * inv);
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& block_tables, const at::Tensor& tiles, int64_t bs, double scale) {
+  const int64_t nkv = k_cache.size(1);
+  Args<T> a{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), out.data_ptr<T>(),
+            block_tables.data_ptr<int64_t>(), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            block_tables.stride(0), bs, q.size(2), q.size(1) / nkv, float(scale)};
+  const int64_t* tl = tiles.data_ptr<int64_t>();
+  const int64_t items = tiles.size(0) * nkv;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(kScratch);  // on the heap: too large for an OpenMP thread's stack
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t* t = tl + (w / nkv) * 4;
+      attend<T>(a, t[0], t[1], t[2], t[3], w % nkv, scratch.data());
+    }
+  });
+}
+
+}  // namespace
+
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                     at::Tensor tiles, int64_t block_size, double scale) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "paged_attention: unsupported dtype ", dtype);
+  for (const auto* t : {&out, &q, &k_cache, &v_cache, &block_tables, &tiles})
+    TORCH_CHECK(t->device().is_cpu(), "paged_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && out.strides() == q.strides() && out.scalar_type() == dtype,
+              "paged_attention: q and out [T, nH, D] of one layout and dtype expected");
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides() &&
+                  k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+              "paged_attention: caches [num_slots, nKV, D] of one layout in the dtype of q expected");
+  const int64_t nh = q.size(1), nkv = k_cache.size(1), D = q.size(2);
+  TORCH_CHECK(k_cache.size(2) == D && nkv > 0 && nh % nkv == 0, "paged_attention: head counts or dims disagree");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && D <= kMaxHeadDim,
+              "paged_attention: contiguous head dims of at most ", kMaxHeadDim, " expected");
+  TORCH_CHECK(block_size > 0 && block_size <= kMaxBlock, "paged_attention: block size in [1, ", kMaxBlock, "]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.stride(1) == 1,
+              "paged_attention: block_tables [N_seq, W] int64 with contiguous rows expected");
+  TORCH_CHECK(tiles.scalar_type() == at::kLong && tiles.dim() == 2 && tiles.size(1) == 4 && tiles.is_contiguous(),
+              "paged_attention: tiles [N_tiles, 4] int64 expected");
+  // Every index the kernel will follow, checked once here, so it cannot read or write out of bounds.
+  const int64_t T_ = q.size(0), G = nh / nkv, W = block_tables.size(1), nseq = block_tables.size(0);
+  const int64_t num_blocks = k_cache.size(0) / block_size;
+  const int64_t* tl = tiles.data_ptr<int64_t>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tiles.size(0); ++i) {
+    const int64_t row0 = tl[4 * i], n = tl[4 * i + 1], seq = tl[4 * i + 2], ctx0 = tl[4 * i + 3];
+    TORCH_CHECK(n >= 1 && n * G <= kMaxQueries && row0 >= 0 && row0 <= T_ - n, "paged_attention: tile ", i,
+                " has rows out of range (at most ", kMaxQueries / G, " rows a tile)");
+    TORCH_CHECK(seq >= 0 && seq < nseq && ctx0 >= 1 && ctx0 <= W * block_size && ctx0 + n - 1 <= W * block_size,
+                "paged_attention: tile ", i, " has a request or context out of range");
+    const int64_t used = (ctx0 + n - 1 + block_size - 1) / block_size;
+    for (int64_t b = 0; b < used; ++b) {
+      const int64_t blk = bt[seq * block_tables.stride(0) + b];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_attention: tile ", i, " reads block ", blk,
+                  " outside the cache");
+    }
+  }
+  pybind11::gil_scoped_release no_gil;
+  if (dtype == at::kBFloat16) run<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, tiles, block_size, scale);
+  else if (dtype == at::kHalf) run<c10::Half>(out, q, k_cache, v_cache, block_tables, tiles, block_size, scale);
+  else run<float>(out, q, k_cache, v_cache, block_tables, tiles, block_size, scale);
+}
