@@ -87,6 +87,19 @@ def test_mixed_step_matches_fp64_attention(path, dtype, tol, heads):
     assert torch.equal(caches[0][attn.slot_mapping], k) and torch.equal(caches[1][attn.slot_mapping], v)
 
 
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 1, 32)], ids=["gqa", "mqa-32"])
+def test_kernel_alone_attends_prefill_tiles_too(heads):
+    """The compiled kernel's own semantics cover prefill chunks (tiles of rows), though the engine sends
+    it decodes only (prefill chunks go to `_prefill_matmul`): every row of the mixed step through it."""
+    nh, nkv, d = heads
+    q, k, v, caches, attn, full = make_step(STEP, nh, nkv, d, torch.float32, torch.Generator().manual_seed(2))
+    caches[0][attn.slot_mapping], caches[1][attn.slot_mapping] = k, v
+    out = torch.empty_like(q)
+    cpu_ext.load().paged_attention(out, q, caches[0], caches[1], attn.block_tables, attn.tiles(nh // nkv), BLOCK,
+                                   d ** -0.5)
+    assert (out.double() - reference(q, STEP, full, nkv)).abs().max().item() < 2e-6
+
+
 def test_kernel_and_torch_path_agree_to_fp32_rounding(monkeypatch):
     gen = torch.Generator().manual_seed(1)
     q, k, v, caches, attn, _ = make_step(STEP, 9, 3, 64, torch.float32, gen)
