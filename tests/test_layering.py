@@ -10,7 +10,8 @@ import loraplex
 
 ROOT = Path(loraplex.__file__).parent
 FORBIDDEN = {"kernels": ("engine", "platform", "adapters"), "adapters": ("engine", "platform"),
-             "engine": ("platform",), "model_config": ("engine", "platform", "adapters", "kernels")}
+             "engine": ("platform",), "model_config": ("engine", "platform", "adapters", "kernels"),
+             "threads": ("engine", "platform", "adapters", "kernels")}
 
 
 def module_of(path: Path) -> str:

@@ -19,7 +19,8 @@ class EngineConfig:
     holds max_loras adapters of rank max_lora_rank, or up to max_loras x max_lora_rank / 8 of rank 8
     (when 8 divides max_lora_rank; otherwise a page is a whole slot).
     max_lora_rank: the largest rank `r` an adapter may have. max_cpu_loras: adapters kept in host memory
-    (None: no limit).
+    (None: no limit). num_threads: PyTorch's CPU threads for the engine (None: the CPUs this process may
+    use, `loraplex.threads.usable_cpus`); ignored on a GPU.
     max_num_waiting_seqs / max_num_waiting_tokens: how many requests beyond the running batch's free
     places, and how many tokens still to be prefilled, the waiting queue takes from a server (`AsyncLLM`)
     before it sheds new ones with `EngineOverloadedError` (`Scheduler.has_room`); None derives them: one
@@ -44,6 +45,7 @@ class EngineConfig:
     max_queue_wait_s: float | None = 10.0
     static_batching: bool = False  # benchmark baseline: admit a new batch only when the last one is done
     seed: int = 0
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank"):
@@ -65,5 +67,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queue_wait_s is not None and not self.max_queue_wait_s > 0:
             raise ValueError(f"max_queue_wait_s must be > 0 seconds or None, got {self.max_queue_wait_s}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError("max_cpu_loras must be >= max_loras")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from loraplex import threads
 from loraplex.adapters.manager import AdapterInUseError, AdapterManager
 from loraplex.engine.block_manager import BlockManager, cdiv
 from loraplex.engine.config import EngineConfig
@@ -81,6 +82,8 @@ class LLMEngine:
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         self.config = EngineConfig(**engine_kwargs)
+        if self.device.type == "cpu":
+            self.num_threads = threads.configure(self.config.num_threads)
         if load_format == "dummy":
             hf_cfg = DUMMY_CONFIGS[model] if model in DUMMY_CONFIGS else load_config(Path(model))
             path = None

@@ -49,6 +49,7 @@ class Settings(BaseSettings):
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     kv_cache_memory: int | None = None
+    num_threads: int | None = Field(None, ge=1)  # CPU threads (None: the CPUs this process may use)
     # the engine's waiting queue: past these a call is shed with 503 (None: one more batch of requests,
     # 32 steps of prefill; see EngineConfig), and past an estimated wait for a place in the batch
     max_num_waiting_seqs: int | None = Field(None, ge=1)
@@ -112,4 +113,6 @@ class Settings(BaseSettings):
                       max_num_waiting_tokens=self.max_num_waiting_tokens, max_queue_wait_s=self.max_queue_wait_s)
         if self.kv_cache_memory is not None:
             kwargs["kv_cache_memory"] = self.kv_cache_memory
+        if self.num_threads is not None:
+            kwargs["num_threads"] = self.num_threads
         return kwargs
