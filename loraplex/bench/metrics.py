@@ -77,6 +77,7 @@ class RunStats:
     adapter_hits: int | None = None
     adapter_misses: int | None = None
     num_preemptions: int | None = None
+    step_log: list[list[float]] = field(default_factory=list)  # vLLM: per step [s, rows with a token, firsts]
 
     @property
     def mean_batch_size(self) -> float | None:

@@ -18,13 +18,20 @@ NAMES = {
     "peft": "transformers + PEFT generate(adapter_names)",
     "base": "loraplex, base model only",
     "http": "loraplex over HTTP (openai client, streaming)",
+    "vllm": "vLLM (enable_lora, one LoRARequest per adapter)",
+    "vllm-base": "vLLM, base model only (LoRA off)",
 }
 COMPARISONS = (  # (a, b, what the ratio a/b says)
     ("engine", "static", "continuous vs static batching"),
     ("engine", "peft", "engine vs transformers + PEFT"),
     ("engine", "base", "multi-adapter vs base-only"),
     ("http", "engine", "HTTP gateway vs in-process"),
+    ("engine", "vllm", "multi-adapter: loraplex vs vLLM"),
+    ("base", "vllm-base", "base-only: loraplex vs vLLM (LoRA off)"),
+    ("vllm", "vllm-base", "vLLM multi-adapter vs its base-only"),
 )
+AGREEMENT = (("engine", "peft", "PEFT's"), ("engine", "vllm", "vLLM's (multi-adapter)"),
+             ("base", "vllm-base", "vLLM's (base-only)"))
 
 
 def _f(x: float | None, digits: int = 2) -> str:
@@ -163,13 +170,19 @@ def write(out: Path, bench, *, command: str, elapsed_s: float) -> None:
               "longest output. Mean batch: rows that made a token per step (PEFT: rows in its batch, finished "
               "ones included; HTTP: rows scheduled per engine step). The HTTP client and the server share this "
               "machine's cores.", ""]
-    engine = next((e for e in results if e.group == "main" and e.system == "engine"), None)
-    peft = next((e for e in results if e.group == "main" and e.system == "peft"), None)
-    if engine and peft:
-        same = sum(a.token_ids == b.token_ids for a, b in zip(engine.records, peft.records, strict=True))
-        lines += [f"Greedy outputs equal to PEFT's, token for token: {same} of {len(engine.records)} requests "
-                  f"({bench.dtype}: rounding differs between the two implementations and flips near-ties on "
-                  "random prompts; in fp32, tests/bench/test_bench_run.py checks that every request matches).", ""]
+    runs = {e.system: e for e in results if e.group == "main"}
+    for ours, theirs, whose in AGREEMENT:
+        if ours in runs and theirs in runs:
+            a, b = runs[ours].records, runs[theirs].records
+            same = sum(x.token_ids == y.token_ids for x, y in zip(a, b, strict=True))
+            lines += [f"Greedy outputs of `{ours}` equal to {whose}, token for token: {same} of {len(a)} requests "
+                      f"({bench.dtype}: rounding differs between implementations and flips near-ties on random "
+                      "prompts).", ""]
+    if getattr(bench, "peer_version", None):
+        lines += [f"vLLM {bench.peer_version} ran in its own virtualenv (`scripts/peer-vllm`), in a subprocess "
+                  f"of this run, with the same threads, dtype, requests and arrival times.", ""]
+    for note in getattr(bench, "skipped", []):
+        lines += [f"Skipped: {note}.", ""]
 
     rate = [e for e in results if e.group == "rate"]
     if rate:

@@ -7,6 +7,7 @@
     loraplex bench --preset engine-throughput --threads 1   # offline: ours vs PEFT vs static batching, fp32
     loraplex bench --preset adapter-paging        # 1 to 1,024 Zipf adapters in 8 slots against base-only
     loraplex bench --preset adapter-paging-all    # the same with adapters on all seven projections
+    loraplex bench --preset vllm --threads 1      # ours vs vLLM's CPU build (scripts/peer-vllm installs it)
 
 A preset is one main workload (setting S1, n adapters, Zipf alpha, rate R) that every system runs
 with the same prompts, then three sweeps of our engine: R (with static batching and base-only beside
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import shlex
 import sys
 import tempfile
@@ -32,6 +32,7 @@ import torch
 from loraplex.bench import report
 from loraplex.bench.metrics import SLO, RequestRecord, RunStats, Summary, matmul_peak_flops, summarize
 from loraplex.bench.workload import Workload, WorkloadSpec, generate, read_trace
+from loraplex.threads import usable_cpus
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # S-LoRA's evaluation setting
 ALL_LINEAR = (*TARGETS, "gate_proj", "up_proj", "down_proj")  # PEFT's "all-linear"
@@ -102,8 +103,19 @@ def _adapter_paging(targets: tuple[str, ...] = TARGETS) -> Preset:
                   max_loras=8, max_cpu_loras=64, max_num_seqs=64, targets=targets, cold_load_ranks=(8, 16, 32, 64))
 
 
+def _vllm() -> Preset:
+    # Side by side with vLLM (its CPU build on a CPU): 64 requests at once, prompts 32-256 tokens, 64
+    # greedy output tokens each, over 16 distinct rank-8 adapters on q/k/v/o, fp32; both engines also on
+    # the base model alone (vLLM with LoRA off: its fastest, compiled base-only engine).
+    main = WorkloadSpec(num_adapters=16, alpha=0.0, rate=float("inf"), num_requests=64, prompt_len=(32, 257),
+                        output_len=(64, 65), num_tenants=16)
+    return Preset(dtype="float32", main=main, systems=("engine", "base", "vllm", "vllm-base"), rates=(),
+                  num_adapters=(), alphas=(), max_loras=16, max_cpu_loras=16, max_num_seqs=64)
+
+
 PRESETS = {"small": _small, "full": _full, "gpu-s1": _gpu_s1, "engine-throughput": _engine_throughput,
-           "adapter-paging": _adapter_paging, "adapter-paging-all": lambda: _adapter_paging(ALL_LINEAR)}
+           "adapter-paging": _adapter_paging, "adapter-paging-all": lambda: _adapter_paging(ALL_LINEAR),
+           "vllm": _vllm}
 
 
 @dataclass
@@ -120,12 +132,16 @@ class Experiment:
 class Bench:
     """Holds the engine, the adapters on disk and the results of one `loraplex bench` run."""
 
-    def __init__(self, preset: Preset, workdir: Path):
+    def __init__(self, preset: Preset, workdir: Path, *, peer_python: Path | None = None, threads: int = 1):
         from loraplex import LLM
 
         self.preset, self.workdir = preset, workdir
+        self.peer_python, self.threads = peer_python, threads
+        self.peer_version: str | None = None
+        self.skipped: list[str] = []  # systems not run, each with why
         self.llm = LLM(preset.model, load_format=preset.load_format, dtype=preset.dtype, max_loras=preset.max_loras,
-                       max_cpu_loras=preset.max_cpu_loras, max_lora_rank=64, max_num_seqs=preset.max_num_seqs)
+                       max_cpu_loras=preset.max_cpu_loras, max_lora_rank=64, max_num_seqs=preset.max_num_seqs,
+                       num_threads=threads)
         model = self.llm.engine.model
         # Prompts are random token ids below the model's vocabulary (a dummy model has no tokenizer).
         preset.main = replace(preset.main, vocab_size=self.llm.engine.model_config.vocab_size)
@@ -166,7 +182,7 @@ class Bench:
             self.adapter_dirs[name] = path
 
     # systems ------------------------------------------------------------------------------------
-    def measure(self, group: str, spec: WorkloadSpec | None, system: str, workload: Workload) -> Summary:
+    def measure(self, group: str, spec: WorkloadSpec | None, system: str, workload: Workload) -> Summary | None:
         from loraplex.bench import systems
 
         key = (system, repr(spec))
@@ -184,12 +200,27 @@ class Bench:
         elif system == "peft":
             records, stats = systems.run_peft(self._peft_model(workload), workload,
                                               batch_size=self.preset.peft_batch_size)
+        elif system in ("vllm", "vllm-base"):
+            from loraplex.engine.loader import resolve_model
+
+            if self.peer_python is None:
+                self.skipped.append(f"{system}: vLLM is not installed (run `scripts/peer-vllm`, or pass "
+                                    "--peer-python / set LORAPLEX_PEER_PYTHON)")
+                print(f"  {group:<8} {system:<7} skipped: {self.skipped[-1].split(': ', 1)[1]}", flush=True)
+                return None
+            work = workload.without_adapters() if system == "vllm-base" else workload
+            dirs = {name: self.adapter_dirs[name] for name in workload.adapters}
+            records, stats, self.peer_version = systems.run_vllm(
+                self.peer_python, work, dirs, model_dir=resolve_model(self.preset.model),
+                dtype=str(self.dtype).removeprefix("torch."), threads=self.threads,
+                max_num_seqs=self.preset.max_num_seqs, max_loras=self.preset.max_loras, max_lora_rank=64,
+                workdir=self.workdir, lora=system == "vllm")
         elif system == "http":
             from loraplex.bench.http_client import run_http
 
             env = {"LORAPLEX_MAX_LORAS": str(self.preset.max_loras), "LORAPLEX_MAX_LORA_RANK": "64",
                    "LORAPLEX_MAX_NUM_SEQS": str(self.preset.max_num_seqs), "LORAPLEX_DTYPE": self.preset.dtype,
-                   "LORAPLEX_MODEL": self.preset.model}
+                   "LORAPLEX_MODEL": self.preset.model, "LORAPLEX_NUM_THREADS": str(self.threads)}
             dirs = {name: self.adapter_dirs[name] for name in workload.adapters}
             records, stats = run_http(workload, dirs, engine_env=env, log_path=self.workdir / "server.log")
         else:
@@ -218,7 +249,7 @@ class Bench:
         spec = None if trace else p.main
         print(f"main workload: {len(main.requests)} requests, {main.num_output_tokens} output tokens")
         for system in p.systems:
-            if system in ("peft", "http") and p.load_format == "dummy":
+            if system in ("peft", "http", "vllm", "vllm-base") and p.load_format == "dummy":  # no model files
                 continue
             self.measure("main", spec, system, main)
         for rate in p.rates:
@@ -285,10 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", type=Path, help="JSONL trace to replay as the main workload")
     ap.add_argument("--systems", help="comma-separated subset of engine,static,peft,base,http for the main workload")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch CPU threads")
+    ap.add_argument("--threads", type=int, default=usable_cpus(),
+                    help="torch CPU threads (default: the CPUs this process may use)")
     ap.add_argument("--model", help="the preset's model instead (e.g. smollm2-135m-shapes with --load-format dummy)")
     ap.add_argument("--load-format", choices=("auto", "dummy"), help="dummy: random weights, no model file")
     ap.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory, instead of the preset's")
+    ap.add_argument("--peer-python", help="the Python of a vLLM virtualenv for the vllm systems (default "
+                                          "$LORAPLEX_PEER_PYTHON, else .peer/vllm/bin/python from scripts/peer-vllm)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     preset = PRESETS[args.preset]()
@@ -310,7 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             ap.error(str(exc))
     with tempfile.TemporaryDirectory(prefix="loraplex-bench-") as tmp:
-        bench = Bench(preset, Path(tmp))
+        from loraplex.bench.systems import peer_python
+
+        bench = Bench(preset, Path(tmp), peer_python=peer_python(args.peer_python), threads=args.threads)
         trace = None
         if args.trace:  # again, now that the model's vocabulary is known
             try:

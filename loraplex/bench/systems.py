@@ -153,3 +153,80 @@ def run_peft(model, workload: Workload, *, batch_size: int = 16) -> tuple[list[R
         stats.num_steps += max_new
         stats.num_batched_rows += max_new * len(batch)
     return [records[id(r)] for r in workload.requests], stats
+
+
+def peer_python(explicit: str | None = None) -> Path | None:
+    """The peer's Python for the `vllm` systems: `explicit` (--peer-python), else `LORAPLEX_PEER_PYTHON`,
+    else `.peer/vllm/bin/python` where `scripts/peer-vllm` puts it; None when none of them exists."""
+    import os
+
+    for candidate in (explicit, os.environ.get("LORAPLEX_PEER_PYTHON"), ".peer/vllm/bin/python"):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
+
+
+def run_vllm(python: Path, workload: Workload, adapter_dirs: dict[str, Path], *, model_dir: Path, dtype: str,
+             threads: int, max_num_seqs: int, max_loras: int, max_lora_rank: int, workdir: Path,
+             lora: bool = True) -> tuple[list[RequestRecord], RunStats, str]:
+    """`run_vllm_many` with one workload: (records, step counts, vLLM's version)."""
+    [(records, stats)], version = run_vllm_many(
+        python, [workload], adapter_dirs, model_dir=model_dir, dtype=dtype, threads=threads,
+        max_num_seqs=max_num_seqs, max_loras=max_loras, max_lora_rank=max_lora_rank, workdir=workdir, lora=lora)
+    return records, stats, version
+
+
+def run_vllm_many(python: Path, workloads: list[Workload], adapter_dirs: dict[str, Path], *, model_dir: Path,
+                  dtype: str, threads: int, max_num_seqs: int, max_loras: int, max_lora_rank: int, workdir: Path,
+                  lora: bool = True) -> tuple[list[tuple[list[RequestRecord], RunStats]], str]:
+    """Replay `workload` through vLLM's offline engine in a subprocess of the peer's `python`
+    (`vllm_peer.py`), with `enable_lora` and one LoRARequest per adapter (`lora`), or vLLM's base-only
+    engine with LoRA off; the workloads run one after another in one vLLM engine (it loads and compiles
+    once). vLLM's `max_lora_rank` is the workload's largest rank rounded up to a power of
+    two (at most `max_lora_rank`): vLLM's punica kernels pad every adapter to it, so a larger setting
+    only slows vLLM down (64 for rank-8 adapters made it 5.7x slower on a 2-core CPU). Returns the records, the step counts and vLLM's version. Raises
+    RuntimeError with the peer's last output lines when it fails. Returns, per workload, the records and
+    step counts, and vLLM's version."""
+    import json
+    import subprocess
+
+    def as_job(reqs: list[BenchRequest]) -> list[dict]:
+        return [{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len, "adapter": r.adapter,
+                 "arrival_s": r.arrival_s} for r in reqs]
+
+    every = [r for w in workloads for r in w.requests]
+    longest = max(r.prompt_len + r.output_len for r in every)
+    used = sorted({r.adapter for r in every if r.adapter is not None})
+    if lora:  # vLLM pads every slot to max_lora_rank: give it the workload's largest rank, as a user would
+        ranks = [json.loads((adapter_dirs[name] / "adapter_config.json").read_text())["r"] for name in used]
+        max_lora_rank = min(max_lora_rank, max(8, 1 << (max(ranks) - 1).bit_length()))
+    job = {"model": str(model_dir), "dtype": dtype, "threads": threads, "max_num_seqs": max_num_seqs,
+           "max_model_len": max(512, -(-longest // 256) * 256), "max_loras": max_loras,
+           "max_lora_rank": max_lora_rank,
+           "adapters": {name: str(adapter_dirs[name]) for name in used} if lora else {},
+           "warmup": [dict(r, output_len=8, arrival_s=0.0) for r in as_job(workloads[0].requests[:8])],
+           "runs": [as_job(w.requests) for w in workloads]}
+    job_path, result_path = workdir / "vllm-job.json", workdir / "vllm-result.json"
+    job_path.write_text(json.dumps(job))
+    result_path.unlink(missing_ok=True)
+    # A copy in workdir: the script's folder goes first on the peer's sys.path, and loraplex/bench is not
+    # a folder the peer should import from.
+    script = workdir / "vllm_peer.py"
+    script.write_text(Path(__file__).with_name("vllm_peer.py").read_text())
+    proc = subprocess.run([str(python), str(script), str(job_path), str(result_path)], capture_output=True, text=True)
+    if proc.returncode != 0 or not result_path.exists():
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        raise RuntimeError(f"vLLM peer failed (exit {proc.returncode}):\n{tail}")
+    result = json.loads(result_path.read_text())
+    out = []
+    for workload, run in zip(workloads, result["runs"], strict=True):
+        records = []
+        for r, got in zip(workload.requests, run["records"], strict=True):
+            rec = RequestRecord(r.arrival_s, got["first_token_s"], got["finish_s"], r.prompt_len,
+                                len(got["token_ids"]), r.adapter, got["error"], got["token_ids"])
+            if rec.error is None and rec.num_output_tokens != r.output_len:
+                rec.error = f"finished after {rec.num_output_tokens} of {r.output_len} tokens"
+            records.append(rec)
+        out.append((records, RunStats(num_steps=run["num_steps"], num_batched_rows=run["num_batched_rows"],
+                                      step_log=run["steps"])))
+    return out, result["vllm"]

@@ -93,10 +93,30 @@ def test_dummy_weights_skip_peft_and_http_and_draw_prompts_below_the_vocabulary(
     assert "multi-adapter vs base-only" in text and "engine vs transformers + PEFT" not in text
 
 
+def test_vllm_systems_are_skipped_with_a_clear_line_when_the_peer_is_not_installed(tmp_path, monkeypatch):
+    """The suite never needs vLLM: without a peer the vllm systems are left out and the report says why."""
+    from loraplex.bench.systems import peer_python
+
+    monkeypatch.delenv("LORAPLEX_PEER_PYTHON", raising=False)
+    monkeypatch.chdir(tmp_path)  # no .peer/vllm here
+    assert peer_python(None) is None and peer_python(str(tmp_path / "missing")) is None
+    main = WorkloadSpec(num_adapters=2, rate=50.0, duration_s=0.2, prompt_len=(4, 8), output_len=(2, 4))
+    preset = Preset(dtype="float32", main=main, rates=(), num_adapters=(), alphas=(), max_loras=2,
+                    systems=("engine", "vllm", "vllm-base"))
+    b = Bench(preset, tmp_path, peer_python=None)
+    b.run()
+    assert [e.system for e in b.results] == ["engine"]
+    report.write(tmp_path / "vllm.md", b, command="x", elapsed_s=1.0)
+    text = (tmp_path / "vllm.md").read_text()
+    for system in ("vllm", "vllm-base"):
+        assert (f"Skipped: {system}: vLLM is not installed (run `scripts/peer-vllm`, or pass --peer-python / set "
+                "LORAPLEX_PEER_PYTHON).") in text
+
+
 def test_cli_help_lists_the_presets():
     out = subprocess.run([sys.executable, "-m", "loraplex.cli", "bench", "--help"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert "{adapter-paging,adapter-paging-all,engine-throughput,full,gpu-s1,small}" in out.stdout
+    assert "{adapter-paging,adapter-paging-all,engine-throughput,full,gpu-s1,small,vllm}" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "loraplex.cli", "bench", "--preset", "nope"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "invalid choice: 'nope'" in bad.stderr
@@ -137,7 +157,7 @@ def test_a_refused_request_is_that_requests_failure_not_the_runs(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--systems", "engine,vllm"], "unknown systems ['vllm']"),
+    (["--systems", "engine,sglang"], "unknown systems ['sglang']"),
     (["--trace", "/nonexistent/trace.jsonl"], "No such file"),
 ])
 def test_cli_refuses_bad_arguments_before_loading_the_model(args, message):

@@ -1,0 +1,100 @@
+"""Replays a `loraplex bench` workload through vLLM's offline engine, for the `vllm` and `vllm-base`
+systems. Run by the peer's Python (`scripts/peer-vllm`), not ours: it imports only vLLM and the
+standard library, reads a job as JSON and writes one record per request as JSON.
+
+    <peer python> vllm_peer.py job.json result.json
+
+job: {"model": HF directory, "dtype", "threads", "max_num_seqs", "max_model_len", "max_loras",
+"max_lora_rank", "kv_cache_gib", "adapters": {name: PEFT directory} (empty: LoRA off, vLLM's
+base-only engine), "warmup": [request], "runs": [[request]]}; request: {"prompt_token_ids",
+"output_len", "adapter" (name or null), "arrival_s"}. The runs replay one after another in one engine.
+result: {"vllm": version, "load_s", "runs": [{"records": [{"first_token_s", "finish_s", "token_ids",
+"error"}], "num_steps", "num_batched_rows", "steps": [[seconds, rows that made a token, rows that made
+their first]]}]}. Times are seconds from the start of the replay, as
+`loraplex.bench.systems` measures ours; vLLM gets each request once its arrival time has passed
+(`LLMEngine.add_request`), and its steps are driven by `LLMEngine.step`, as vLLM's own offline
+`LLM.generate` does, so TTFT is seen per step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main(job_path: str, result_path: str) -> int:
+    with open(job_path) as f:
+        job = json.load(f)
+    threads = int(job["threads"])
+    # vLLM's CPU worker binds one OpenMP thread per listed core; the KV cache is sized in GiB.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_cache_gib", 4)))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    t0 = time.perf_counter()
+    lora = bool(job["adapters"])
+    kwargs = dict(enable_lora=True, max_loras=job["max_loras"], max_lora_rank=job["max_lora_rank"]) if lora else {}
+    llm = LLM(model=job["model"], dtype=job["dtype"], max_num_seqs=job["max_num_seqs"],
+              max_model_len=job["max_model_len"], seed=0, **kwargs)
+    engine = llm.llm_engine
+    ids = {name: i + 1 for i, name in enumerate(sorted(job["adapters"]))}
+    loras = {name: LoRARequest(name, ids[name], path) for name, path in job["adapters"].items()}
+    load_s = time.perf_counter() - t0
+
+    def replay(requests: list[dict]) -> dict:
+        records = [{"first_token_s": None, "finish_s": None, "token_ids": [], "error": None} for _ in requests]
+        pending = sorted(range(len(requests)), key=lambda i: requests[i]["arrival_s"])
+        steps = rows = 0
+        log = []
+        start = time.perf_counter()
+        while pending or engine.has_unfinished_requests():
+            now = time.perf_counter() - start
+            while pending and requests[pending[0]]["arrival_s"] <= now:
+                i = pending.pop(0)
+                r = requests[i]
+                params = SamplingParams(max_tokens=r["output_len"], temperature=0.0, ignore_eos=True)
+                try:
+                    engine.add_request(str(i), {"prompt_token_ids": r["prompt_token_ids"]}, params,
+                                       lora_request=loras.get(r["adapter"]) if r["adapter"] else None)
+                except Exception as exc:  # refused: that request's own failure, as in our runner
+                    records[i]["error"] = f"{type(exc).__name__}: {exc}"
+            if not engine.has_unfinished_requests():
+                if pending:
+                    time.sleep(max(0.0, requests[pending[0]]["arrival_s"] - now))
+                continue
+            before = time.perf_counter() - start
+            outputs = engine.step()
+            t = time.perf_counter() - start
+            made = firsts = 0
+            for out in outputs:
+                rec = records[int(out.request_id)]
+                tokens = list(out.outputs[0].token_ids)
+                if tokens and rec["first_token_s"] is None:
+                    rec["first_token_s"] = t
+                    firsts += 1
+                if len(tokens) > len(rec["token_ids"]):
+                    made += 1
+                rec["token_ids"] = tokens
+                if out.finished:
+                    rec["finish_s"] = t
+            if made:
+                steps += 1
+                rows += made
+            log.append([t - before, made, firsts])
+        return {"records": records, "num_steps": steps, "num_batched_rows": rows, "steps": log}
+
+    if job.get("warmup"):
+        replay(job["warmup"])
+    result = {"vllm": vllm.__version__, "load_s": load_s, "runs": [replay(run) for run in job["runs"]]}
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))
