@@ -15,8 +15,11 @@ its block table, so a prefill chunk sees the earlier chunks of its prompt (vLLM'
 attention: query row i of a request with c tokens computed before this step attends positions
 0 .. c + i).
 
-On the CPU the compiled kernel (`kernels/csrc/paged_attention_cpu.cpp`) reads K/V in place, in fp32,
-one tile of query rows and one kv head per work item: no gather, no padded copy, no mask. Elsewhere,
+On the CPU the decodes go to the compiled kernel (`kernels/csrc/paged_attention_cpu.cpp`), which reads
+K/V in place through the block table, in fp32, one request and kv head per work item: no gather, no
+padded copy, no mask (its semantics cover tiles of prefill rows too, tested, for a future GPU kernel of
+the same shape). Prefill chunks go to `_prefill_matmul`: their products are GEMM-sized, and MKL's GEMMs
+beat a per-row loop there. Elsewhere,
 or where the kernel could not be built (`kernels/cpu_ext.py` logs why), the PyTorch path gathers each
 request's context and calls `scaled_dot_product_attention` with a mask; the two agree to fp32
 rounding, which the tests check. The gather reads a request's position 0 for the masked positions past
