@@ -178,16 +178,19 @@ def run_vllm(python: Path, workload: Workload, adapter_dirs: dict[str, Path], *,
 
 def run_vllm_many(python: Path, workloads: list[Workload], adapter_dirs: dict[str, Path], *, model_dir: Path,
                   dtype: str, threads: int, max_num_seqs: int, max_loras: int, max_lora_rank: int, workdir: Path,
-                  lora: bool = True) -> tuple[list[tuple[list[RequestRecord], RunStats]], str]:
-    """Replay `workload` through vLLM's offline engine in a subprocess of the peer's `python`
+                  lora: bool = True, max_num_batched_tokens: int = 512,
+                  ) -> tuple[list[tuple[list[RequestRecord], RunStats]], str]:
+    """Replay `workloads` through vLLM's offline engine in a subprocess of the peer's `python`
     (`vllm_peer.py`), with `enable_lora` and one LoRARequest per adapter (`lora`), or vLLM's base-only
     engine with LoRA off; the workloads run one after another in one vLLM engine (it loads and compiles
-    once). vLLM's `max_lora_rank` is the workload's largest rank rounded up to a power of
-    two (at most `max_lora_rank`): vLLM's punica kernels pad every adapter to it, so a larger setting
-    only slows vLLM down (64 for rank-8 adapters made it 5.7x slower on a 2-core CPU). Returns the records, the step counts and vLLM's version. Raises
-    RuntimeError with the peer's last output lines when it fails. Returns, per workload, the records and
-    step counts, and vLLM's version."""
+    once), with prefix caching off and our prefill chunk budget (`max_num_batched_tokens`), its threads
+    bound to the first `threads` cores this process may use. vLLM's `max_lora_rank` is the workloads'
+    largest rank rounded up to a power of two (at most `max_lora_rank`): vLLM's punica kernels pad every
+    adapter to it, so a larger setting only slows vLLM down (64 for rank-8 adapters made it 5.7x slower
+    on a 2-core CPU). Returns, per workload, the records and step counts, and vLLM's version. Raises
+    RuntimeError with the peer's last output lines when it fails."""
     import json
+    import os
     import subprocess
 
     def as_job(reqs: list[BenchRequest]) -> list[dict]:
@@ -198,10 +201,11 @@ def run_vllm_many(python: Path, workloads: list[Workload], adapter_dirs: dict[st
     longest = max(r.prompt_len + r.output_len for r in every)
     used = sorted({r.adapter for r in every if r.adapter is not None})
     if lora:  # vLLM pads every slot to max_lora_rank: give it the workload's largest rank, as a user would
-        ranks = [json.loads((adapter_dirs[name] / "adapter_config.json").read_text())["r"] for name in used]
+        ranks = [json.loads((adapter_dirs[name] / "adapter_config.json").read_text())["r"] for name in used] or [8]
         max_lora_rank = min(max_lora_rank, max(8, 1 << (max(ranks) - 1).bit_length()))
     job = {"model": str(model_dir), "dtype": dtype, "threads": threads, "max_num_seqs": max_num_seqs,
            "max_model_len": max(512, -(-longest // 256) * 256), "max_loras": max_loras,
+           "max_num_batched_tokens": max_num_batched_tokens, "cpus": sorted(os.sched_getaffinity(0))[:threads],
            "max_lora_rank": max_lora_rank,
            "adapters": {name: str(adapter_dirs[name]) for name in used} if lora else {},
            "warmup": [dict(r, output_len=8, arrival_s=0.0) for r in as_job(workloads[0].requests[:8])],
@@ -213,7 +217,10 @@ def run_vllm_many(python: Path, workloads: list[Workload], adapter_dirs: dict[st
     # a folder the peer should import from.
     script = workdir / "vllm_peer.py"
     script.write_text(Path(__file__).with_name("vllm_peer.py").read_text())
-    proc = subprocess.run([str(python), str(script), str(job_path), str(result_path)], capture_output=True, text=True)
+    from loraplex.threads import peer_environ
+
+    proc = subprocess.run([str(python), str(script), str(job_path), str(result_path)], capture_output=True, text=True,
+                          env=peer_environ())
     if proc.returncode != 0 or not result_path.exists():
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
         raise RuntimeError(f"vLLM peer failed (exit {proc.returncode}):\n{tail}")

@@ -4,7 +4,8 @@ standard library, reads a job as JSON and writes one record per request as JSON.
 
     <peer python> vllm_peer.py job.json result.json
 
-job: {"model": HF directory, "dtype", "threads", "max_num_seqs", "max_model_len", "max_loras",
+job: {"model": HF directory, "dtype", "threads", "cpus" (the cores to bind them to), "max_num_seqs",
+"max_num_batched_tokens" (the prefill chunk budget, the same as ours), "max_model_len", "max_loras",
 "max_lora_rank", "kv_cache_gib", "adapters": {name: PEFT directory} (empty: LoRA off, vLLM's
 base-only engine), "warmup": [request], "runs": [[request]]}; request: {"prompt_token_ids",
 "output_len", "adapter" (name or null), "arrival_s"}. The runs replay one after another in one engine.
@@ -29,7 +30,8 @@ def main(job_path: str, result_path: str) -> int:
         job = json.load(f)
     threads = int(job["threads"])
     # vLLM's CPU worker binds one OpenMP thread per listed core; the KV cache is sized in GiB.
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}")
+    cpus = job.get("cpus") or list(range(threads))  # cores this process may use: a cpuset or taskset holds
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in cpus[:threads]))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_cache_gib", 4)))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import vllm
@@ -39,8 +41,11 @@ def main(job_path: str, result_path: str) -> int:
     t0 = time.perf_counter()
     lora = bool(job["adapters"])
     kwargs = dict(enable_lora=True, max_loras=job["max_loras"], max_lora_rank=job["max_lora_rank"]) if lora else {}
+    # Prefix caching off: loraplex has none yet (issue 20), and vLLM's would serve the timed run's first
+    # prompts from the warm-up's KV blocks.
     llm = LLM(model=job["model"], dtype=job["dtype"], max_num_seqs=job["max_num_seqs"],
-              max_model_len=job["max_model_len"], seed=0, **kwargs)
+              max_num_batched_tokens=job.get("max_num_batched_tokens", 512), max_model_len=job["max_model_len"],
+              enable_prefix_caching=False, seed=0, **kwargs)
     engine = llm.llm_engine
     ids = {name: i + 1 for i, name in enumerate(sorted(job["adapters"]))}
     loras = {name: LoRARequest(name, ids[name], path) for name, path in job["adapters"].items()}

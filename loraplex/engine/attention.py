@@ -24,7 +24,9 @@ or where the kernel could not be built (`kernels/cpu_ext.py` logs why), the PyTo
 request's context and calls `scaled_dot_product_attention` with a mask; the two agree to fp32
 rounding, which the tests check. The gather reads a request's position 0 for the masked positions past
 its length, so whatever a stale slot holds (NaN, from a row whose adapter overflowed) never meets the
-mask: sdpa adds the mask to the scores, and NaN + -inf is NaN.
+mask: sdpa adds the mask to the scores, and NaN + -inf is NaN. Within one prefill chunk the GEMMs do
+multiply the masked (later) positions by a probability of 0, so a NaN in that chunk's own K/V reaches
+its earlier rows too; that is the same request, which the engine ends alone for its NaN logits.
 """
 
 from __future__ import annotations

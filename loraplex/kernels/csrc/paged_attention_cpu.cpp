@@ -149,6 +149,10 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
 
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor tiles, int64_t block_size, double scale) {
+  // Private copies of the indices: the checks below hold for what the kernel reads, even if another
+  // Python thread writes the caller's tensors once the GIL is released.
+  block_tables = block_tables.clone();
+  tiles = tiles.clone();
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "paged_attention: unsupported dtype ", dtype);
@@ -160,7 +164,8 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
                   k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
               "paged_attention: caches [num_slots, nKV, D] of one layout in the dtype of q expected");
   const int64_t nh = q.size(1), nkv = k_cache.size(1), D = q.size(2);
-  TORCH_CHECK(k_cache.size(2) == D && nkv > 0 && nh % nkv == 0, "paged_attention: head counts or dims disagree");
+  TORCH_CHECK(k_cache.size(2) == D && nkv > 0 && nh > 0 && nh % nkv == 0,
+              "paged_attention: head counts or dims disagree");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && D <= kMaxHeadDim,
               "paged_attention: contiguous head dims of at most ", kMaxHeadDim, " expected");
   TORCH_CHECK(block_size > 0 && block_size <= kMaxBlock, "paged_attention: block size in [1, ", kMaxBlock, "]");
@@ -168,15 +173,16 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
               "paged_attention: block_tables [N_seq, W] int64 with contiguous rows expected");
   TORCH_CHECK(tiles.scalar_type() == at::kLong && tiles.dim() == 2 && tiles.size(1) == 4 && tiles.is_contiguous(),
               "paged_attention: tiles [N_tiles, 4] int64 expected");
-  // Every index the kernel will follow, checked once here, so it cannot read or write out of bounds.
+  // Every index the kernel will follow, checked once here (on the private copies), so it cannot read or
+  // write out of bounds.
   const int64_t T_ = q.size(0), G = nh / nkv, W = block_tables.size(1), nseq = block_tables.size(0);
   const int64_t num_blocks = k_cache.size(0) / block_size;
   const int64_t* tl = tiles.data_ptr<int64_t>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   for (int64_t i = 0; i < tiles.size(0); ++i) {
     const int64_t row0 = tl[4 * i], n = tl[4 * i + 1], seq = tl[4 * i + 2], ctx0 = tl[4 * i + 3];
-    TORCH_CHECK(n >= 1 && n * G <= kMaxQueries && row0 >= 0 && row0 <= T_ - n, "paged_attention: tile ", i,
-                " has rows out of range (at most ", kMaxQueries / G, " rows a tile)");
+    TORCH_CHECK(n >= 1 && n <= T_ && row0 >= 0 && row0 <= T_ - n && n <= kMaxQueries / G, "paged_attention: tile ",
+                i, " has rows out of range (at most ", kMaxQueries, " queries, rows x heads per kv head, a tile)");
     TORCH_CHECK(seq >= 0 && seq < nseq && ctx0 >= 1 && ctx0 <= W * block_size && ctx0 + n - 1 <= W * block_size,
                 "paged_attention: tile ", i, " has a request or context out of range");
     const int64_t used = (ctx0 + n - 1 + block_size - 1) / block_size;
