@@ -88,9 +88,9 @@ class Timers:
             yield self
         finally:
             nn.Linear.forward = linear_forward
-            for obj, attr in saved:
+            for (obj, attr), fn in zip(saved, originals, strict=True):
                 if isinstance(obj, type(model_mod)):
-                    setattr(obj, attr, originals[saved.index((obj, attr))])
+                    setattr(obj, attr, fn)
                 else:
                     delattr(obj, attr)  # the instance's own attribute goes; the class's method shows again
             del engine.model.forward
@@ -171,7 +171,7 @@ def vllm_steps(python: Path, rows: list[int], context: int, steps: int, chunk: i
         works = [workload(n, context, steps + 2, lora) for n in rows] + [workload(1, chunk, 1, lora)]
         runs, _ = run_vllm_many(python, works, adapter_dirs, model_dir=resolve_model(model), dtype=dtype,
                                 threads=threads, max_num_seqs=64, max_loras=16, max_lora_rank=8, workdir=workdir,
-                                lora=lora)
+                                lora=lora, max_num_batched_tokens=chunk)
         times = [median(s for s, made, firsts in stats.step_log if made == n and not firsts)
                  for n, (_, stats) in zip(rows, runs[:-1], strict=True)]
         by_mode.append(times + [runs[-1][0][0].first_token_s])

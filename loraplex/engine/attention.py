@@ -76,13 +76,11 @@ class AttentionMetadata:
         a decode is one tile; a prefill chunk is cut into tiles of at most ROWS_PER_TILE rows (fewer when
         G is large). Built on first use, once per step."""
         if group not in self._tiles:
-            rows: list[tuple[int, int, int, int]] = [(i, 1, i, self.context_lens[i])
-                                                     for i in range(self.num_decode_tokens)]
             per_tile = max(1, min(ROWS_PER_TILE, MAX_QUERIES_PER_TILE // group))
-            for p in self.prefills:
-                for i in range(0, p.num_tokens, per_tile):
-                    rows.append((p.start + i, min(per_tile, p.num_tokens - i), p.seq, p.num_computed + i + 1))
-            self._tiles[group] = torch.tensor(rows, dtype=torch.int64).view(-1, 4)
+            rows = [(p.start + i, min(per_tile, p.num_tokens - i), p.seq, p.num_computed + i + 1)
+                    for p in self.prefills for i in range(0, p.num_tokens, per_tile)]
+            prefill = torch.tensor(rows, dtype=torch.int64).view(-1, 4)
+            self._tiles[group] = torch.cat([self.decode_tiles(), prefill])
         return self._tiles[group]
 
     def decode_tiles(self) -> torch.Tensor:
@@ -100,6 +98,15 @@ class AttentionMetadata:
             slots, valid = self.context_slots(range(nd), max(self.context_lens[:nd]))
             self._decode = (slots, valid[:, None, None, :])
         return self._decode
+
+    def chunk_context(self, p: PrefillChunk, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V [C, nKV, D] a prefill chunk attends: its own rows `k`, `v` [L, nKV, D] when it is
+        the whole context, else its request's positions 0..C-1 gathered from the caches."""
+        if p.num_computed == 0:
+            return k, v
+        slots, _ = self.context_slots([p.seq], p.num_computed + p.num_tokens)
+        return _gather(k_cache, slots)[0], _gather(v_cache, slots)[0]
 
     def context_slots(self, seqs, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """([len(seqs), width] slot of each position of these requests, the slot of position 0 past the
@@ -150,11 +157,7 @@ def _prefill_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     nkv = k_cache.shape[1]
     g = nh // nkv
     context = p.num_computed + L
-    if p.num_computed == 0:
-        kc, vc = k, v  # [C, nKV, D]: the chunk is the whole context
-    else:
-        slots, _ = attn.context_slots([p.seq], context)
-        kc, vc = _gather(k_cache, slots)[0], _gather(v_cache, slots)[0]
+    kc, vc = attn.chunk_context(p, k, v, k_cache, v_cache)  # [C, nKV, D]
     kt = kc.permute(1, 2, 0).float().contiguous()  # [nKV, D, C]
     vt = vc.transpose(0, 1).float().contiguous()  # [nKV, C, D]
     out = torch.empty_like(q)
@@ -176,8 +179,8 @@ def _prefill_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 
 def _paged_attention_torch(q, k, v, k_cache, v_cache, attn: AttentionMetadata) -> torch.Tensor:
-    """The same attention in PyTorch: whole blocks gathered, then sdpa with a mask (a fresh prompt
-    attends its own K/V with a causal mask)."""
+    """The same attention in PyTorch: each request's context gathered by position, then sdpa with a mask
+    (a fresh prompt attends its own K/V with a causal mask)."""
     out = torch.empty_like(q)
     nd = attn.num_decode_tokens
     if nd:
@@ -194,9 +197,8 @@ def _paged_attention_torch(q, k, v, k_cache, v_cache, attn: AttentionMetadata) -
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
         else:
             context = p.num_computed + p.num_tokens
-            slots, _ = attn.context_slots([p.seq], context)
-            kp = _gather(k_cache, slots)[0].transpose(0, 1)  # [nKV, C, D]
-            vp = _gather(v_cache, slots)[0].transpose(0, 1)
+            kc, vc = attn.chunk_context(p, k[rows], v[rows], k_cache, v_cache)
+            kp, vp = kc.transpose(0, 1), vc.transpose(0, 1)  # [nKV, C, D]
             i = torch.arange(p.num_tokens, device=q.device)[:, None]
             j = torch.arange(context, device=q.device)[None, :]
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=j <= p.num_computed + i, enable_gqa=True)

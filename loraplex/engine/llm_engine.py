@@ -82,8 +82,8 @@ class LLMEngine:
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         self.config = EngineConfig(**engine_kwargs)
-        if self.device.type == "cpu":
-            self.num_threads = threads.configure(self.config.num_threads)
+        # PyTorch's CPU threads (None on a GPU)
+        self.num_threads = threads.configure(self.config.num_threads) if self.device.type == "cpu" else None
         if load_format == "dummy":
             hf_cfg = DUMMY_CONFIGS[model] if model in DUMMY_CONFIGS else load_config(Path(model))
             path = None
