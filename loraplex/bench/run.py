@@ -204,9 +204,9 @@ class Bench:
             from loraplex.engine.loader import resolve_model
 
             if self.peer_python is None:
-                self.skipped.append(f"{system}: vLLM is not installed (run `scripts/peer-vllm`, or pass "
-                                    "--peer-python / set LORAPLEX_PEER_PYTHON)")
-                print(f"  {group:<8} {system:<7} skipped: {self.skipped[-1].split(': ', 1)[1]}", flush=True)
+                why = "vLLM is not installed (run `scripts/peer-vllm`, or pass --peer-python / set LORAPLEX_PEER_PYTHON)"
+                self.skipped.append(f"{system}: {why}")
+                print(f"  {group:<8} {system:<7} skipped: {why}", flush=True)
                 return None
             work = workload.without_adapters() if system == "vllm-base" else workload
             dirs = {name: self.adapter_dirs[name] for name in workload.adapters}
@@ -214,7 +214,8 @@ class Bench:
                 self.peer_python, work, dirs, model_dir=resolve_model(self.preset.model),
                 dtype=str(self.dtype).removeprefix("torch."), threads=self.threads,
                 max_num_seqs=self.preset.max_num_seqs, max_loras=self.preset.max_loras, max_lora_rank=64,
-                workdir=self.workdir, lora=system == "vllm")
+                workdir=self.workdir, lora=system == "vllm",
+                max_num_batched_tokens=self.llm.engine.config.max_num_batched_tokens)
         elif system == "http":
             from loraplex.bench.http_client import run_http
 

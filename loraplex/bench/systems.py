@@ -168,17 +168,18 @@ def peer_python(explicit: str | None = None) -> Path | None:
 
 def run_vllm(python: Path, workload: Workload, adapter_dirs: dict[str, Path], *, model_dir: Path, dtype: str,
              threads: int, max_num_seqs: int, max_loras: int, max_lora_rank: int, workdir: Path,
-             lora: bool = True) -> tuple[list[RequestRecord], RunStats, str]:
+             lora: bool = True, max_num_batched_tokens: int) -> tuple[list[RequestRecord], RunStats, str]:
     """`run_vllm_many` with one workload: (records, step counts, vLLM's version)."""
     [(records, stats)], version = run_vllm_many(
         python, [workload], adapter_dirs, model_dir=model_dir, dtype=dtype, threads=threads,
-        max_num_seqs=max_num_seqs, max_loras=max_loras, max_lora_rank=max_lora_rank, workdir=workdir, lora=lora)
+        max_num_seqs=max_num_seqs, max_loras=max_loras, max_lora_rank=max_lora_rank, workdir=workdir, lora=lora,
+        max_num_batched_tokens=max_num_batched_tokens)
     return records, stats, version
 
 
 def run_vllm_many(python: Path, workloads: list[Workload], adapter_dirs: dict[str, Path], *, model_dir: Path,
                   dtype: str, threads: int, max_num_seqs: int, max_loras: int, max_lora_rank: int, workdir: Path,
-                  lora: bool = True, max_num_batched_tokens: int = 512,
+                  lora: bool = True, max_num_batched_tokens: int,
                   ) -> tuple[list[tuple[list[RequestRecord], RunStats]], str]:
     """Replay `workloads` through vLLM's offline engine in a subprocess of the peer's `python`
     (`vllm_peer.py`), with `enable_lora` and one LoRARequest per adapter (`lora`), or vLLM's base-only

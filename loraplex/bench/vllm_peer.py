@@ -44,7 +44,7 @@ def main(job_path: str, result_path: str) -> int:
     # Prefix caching off: loraplex has none yet (issue 20), and vLLM's would serve the timed run's first
     # prompts from the warm-up's KV blocks.
     llm = LLM(model=job["model"], dtype=job["dtype"], max_num_seqs=job["max_num_seqs"],
-              max_num_batched_tokens=job.get("max_num_batched_tokens", 512), max_model_len=job["max_model_len"],
+              max_num_batched_tokens=job["max_num_batched_tokens"], max_model_len=job["max_model_len"],
               enable_prefix_caching=False, seed=0, **kwargs)
     engine = llm.llm_engine
     ids = {name: i + 1 for i, name in enumerate(sorted(job["adapters"]))}

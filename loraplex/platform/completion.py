@@ -94,20 +94,19 @@ def prompt_param_of(kind: str) -> str:
     return "messages" if kind == "chat" else "prompt"
 
 
+@dataclass(eq=False)
 class Completions:
     """Runs chat and text completions for the routes, from a parsed body to the response (vLLM's
     `OpenAIServing` role): checks against `settings` and the model of `engine`, admission through the
     caller's quota, the engine run, usage in `usage` and counts in `metrics`; finalizing runs on
     `lifecycle`, so it survives a client that disconnects and shutdown waits for it."""
 
-    def __init__(self, engine: EngineClient, settings: Settings, quotas: QuotaService, usage: UsageWriter,
-                 metrics: Metrics, lifecycle: Lifecycle):
-        self.engine = engine
-        self.settings = settings
-        self.quotas = quotas
-        self.usage = usage
-        self.metrics = metrics
-        self.lifecycle = lifecycle
+    engine: EngineClient
+    settings: Settings
+    quotas: QuotaService
+    usage: UsageWriter
+    metrics: Metrics
+    lifecycle: Lifecycle
 
     async def prepare(self, caller: Caller, target: Target | None, kind: str,
                       body: ChatCompletionRequest | CompletionRequest, num_prompts: int,

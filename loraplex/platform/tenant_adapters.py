@@ -56,18 +56,17 @@ class Target:
     adapter_path: str | None = None
 
 
+@dataclass(eq=False)
 class TenantAdapters:
     """Adds, finds and deletes tenants' adapters: database rows in `sessions`, files in `store`, the engine
     told through `engine`. Uploads are limited to `max_upload_bytes` unpacked; unloads run on
     `lifecycle` so a client that leaves does not stop them."""
 
-    def __init__(self, sessions: sessionmaker[Session], store: AdapterStore, engine: EngineClient,
-                 lifecycle: Lifecycle, max_upload_bytes: int):
-        self.sessions = sessions
-        self.store = store
-        self.engine = engine
-        self.lifecycle = lifecycle
-        self.max_upload_bytes = max_upload_bytes
+    sessions: sessionmaker[Session]
+    store: AdapterStore
+    engine: EngineClient
+    lifecycle: Lifecycle
+    max_upload_bytes: int
 
     # finding -----------------------------------------------------------------------------------------
     def path(self, row: Adapter) -> Path:

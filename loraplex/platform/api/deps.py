@@ -154,13 +154,18 @@ class QuotaGate:
     max_adapters: int | None
     max_adapter_bytes: int | None
 
+    @classmethod
+    def of(cls, quotas: QuotaService, caller: Caller, key: Identity) -> QuotaGate:
+        """The gate of `caller`, with the quota read with its `key`."""
+        return cls(quotas, caller, key.limits, key.max_adapters, key.max_adapter_bytes)
+
     async def admit(self, cost: int, request_id: str, num_sequences: int = 1, sequences_param: str = "n") -> Ticket:
         return await self.quotas.admit(self.caller.tenant_id, self.limits, cost, request_id,
                                                num_sequences, sequences_param)
 
 
 def get_quota(quotas: QuotasDep, caller: CurrentCaller, key: ApiKeyDep) -> QuotaGate:
-    return QuotaGate(quotas, caller, key.limits, key.max_adapters, key.max_adapter_bytes)
+    return QuotaGate.of(quotas, caller, key)
 
 
 TenantQuota = Annotated[QuotaGate, Depends(get_quota)]
@@ -188,15 +193,14 @@ async def get_model_call(request: Request, sessions: SessionsDep, quotas: Quotas
         data = None
     model = data.get("model") if isinstance(data, dict) else None
 
-    def read() -> tuple[Identity, Target | None]:
+    def read() -> ModelCall:
         with sessions() as session:
             key = authenticate(session, credentials)
-            caller_of(key)
-            return key, adapters.find(session, key.tenant_id, model) if isinstance(model, str) else None
+            caller = caller_of(key)  # 403 for an admin key, before any adapter is looked up
+            target = adapters.find(session, key.tenant_id, model) if isinstance(model, str) else None
+        return ModelCall(QuotaGate.of(quotas, caller, key), target)
 
-    key, target = await asyncio.to_thread(read)
-    gate = QuotaGate(quotas, caller_of(key), key.limits, key.max_adapters, key.max_adapter_bytes)
-    return ModelCall(gate, target)
+    return await asyncio.to_thread(read)
 
 
 ModelCallDep = Annotated[ModelCall, Depends(get_model_call)]
