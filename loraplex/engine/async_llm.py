@@ -1,8 +1,10 @@
 """`AsyncLLM`: the engine behind an asyncio server.
 
 The step loop runs in its own thread, so a forward pass never blocks the event loop. Requests and
-aborts reach it through a command queue (the engine is single-threaded); deltas come back through one
-asyncio queue per call (`submit`), a call being all the requests of one API request. Leaving the
+aborts reach it through a command queue (the engine is single-threaded), one command per call (a call
+being all the requests of one API request, its adapter registered in the same command). Each step's
+deltas come back in one hand-off per event loop: one `call_soon_threadsafe` that gives every call its
+outputs of the step (`submit_to`'s sink; `submit` wraps a sink around an asyncio queue). Leaving the
 `async for` of `generate` early (a client that disconnects) aborts the request and frees its KV blocks.
 A step that raises (no request to blame) aborts the running batch with `RequestOutput.error` set, and
 the loop keeps serving the waiting requests.
@@ -16,7 +18,7 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.request import RequestOutput
@@ -27,15 +29,30 @@ logger = logging.getLogger(__name__)
 
 class AsyncLLM:
     """Same arguments as `loraplex.LLM`. `submit` queues one call's requests (a server's path; the waiting
-    queue sheds what it has no room for), `generate` streams one request, `abort` cancels."""
+    queue sheds what it has no room for), `generate` streams one request, `abort` cancels.
 
-    def __init__(self, model: str = "smollm2-135m-instruct", **kwargs):
+    start: run the step loop on a thread of its own (True), or leave it to the caller, who calls `run()`
+    on the thread that should own it (`loraplex serve`: the process's main thread, the event loop on
+    another). On the CPU, the thread that builds the engine should run it: PyTorch's OpenMP team belongs
+    to the thread that starts it, and a 2-thread engine stepping from a second Python thread ran the
+    small preset at 0.75x of the same engine on the main thread (docs/performance.md).
+    """
+
+    def __init__(self, model: str = "smollm2-135m-instruct", *, start: bool = True, **kwargs):
         self.engine = LLMEngine(model, **kwargs)
         self.tokenizer = self.engine.tokenizer
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
-        self._thread.start()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, Sink]] = {}
+        self._thread: threading.Thread | None = None
+        if start:
+            self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
+            self._thread.start()
+
+    def run(self) -> None:
+        """Run the step loop on the calling thread until `shutdown()` (only with start=False)."""
+        if self._thread is not None:
+            raise RuntimeError("this AsyncLLM's step loop already runs on a thread of its own")
+        self._loop()
 
     async def submit(self, prompts: list[list[int]], params: list[SamplingParams], request_ids: list[str], *,
                      adapter: str | None = None, tenant_id: int | None = None) -> asyncio.Queue:
@@ -46,15 +63,32 @@ class AsyncLLM:
         EngineOverloadedError if the waiting queue has no room. The caller `abort`s the requests it stops
         reading before they finish.
         """
-        loop = asyncio.get_running_loop()
         deltas: asyncio.Queue = asyncio.Queue()
+
+        def sink(outs: list[RequestOutput]) -> None:
+            for out in outs:
+                deltas.put_nowait(out)
+
+        await self.submit_to(prompts, params, request_ids, sink, adapter=adapter, tenant_id=tenant_id)
+        return deltas
+
+    async def submit_to(self, prompts: list[list[int]], params: list[SamplingParams], request_ids: list[str],
+                        sink: Sink, *, adapter: str | None = None, adapter_path: str | None = None,
+                        tenant_id: int | None = None) -> None:
+        """`submit` with `sink(outputs)` called on this event loop once per step with the call's outputs of
+        that step, in row order (the server's path: no queue between the engine and the response).
+
+        adapter_path: where `adapter`'s files are, to register it (already validated: the adapter store's)
+        if the engine does not know it, in the same command that queues the requests, so a request waits
+        for one step boundary of the engine thread, not two. The sink must not raise or block.
+        """
+        loop = asyncio.get_running_loop()
         try:
-            await self._call(self._add, prompts, params, adapter, request_ids, tenant_id, (loop, deltas))
+            await self._call(self._add, prompts, params, adapter, adapter_path, request_ids, tenant_id, (loop, sink))
         except asyncio.CancelledError:
             # The add may run after we stop waiting; the queue is FIFO, so this abort comes after it.
             self.abort_nowait(*request_ids)
             raise
-        return deltas
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
                        adapter: str | None = None, request_id: str | None = None,
@@ -88,8 +122,10 @@ class AsyncLLM:
         return await self._call(fn, *args)
 
     def shutdown(self) -> None:
+        """Stop the step loop (a `run()` returns); waits up to 10 s for the loop's own thread, if any."""
         self._commands.put(None)
-        self._thread.join(timeout=10)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
 
     # engine thread ------------------------------------------------------------------------------
     async def _call(self, fn, *args):
@@ -97,7 +133,9 @@ class AsyncLLM:
         self._commands.put((fn, args, fut))
         return await asyncio.wrap_future(fut)
 
-    def _add(self, prompts, params, adapter, request_ids, tenant_id, stream) -> None:
+    def _add(self, prompts, params, adapter, adapter_path, request_ids, tenant_id, stream) -> None:
+        if adapter_path is not None and adapter not in self.engine.adapters:
+            self.engine.adapters.register(adapter, adapter_path, validated=True)
         self.engine.add_requests(prompts, params, adapter, request_ids, tenant_id, shed=True)
         for rid in request_ids:
             self._streams[rid] = stream
@@ -133,20 +171,20 @@ class AsyncLLM:
             fut.set_result(result)
 
     def _deliver(self, *outs: RequestOutput) -> None:
-        """Hand outputs to the queues of their streams: one wake-up of each consumer's event loop for all
-        of a step's outputs, not one per output (each wake-up is a syscall and a GIL hand-over that the
-        engine thread waits on)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        """Hand outputs to their streams' sinks: one wake-up of each consumer's event loop for all of a
+        step's outputs, not one per output (each wake-up is a syscall and a GIL hand-over that the engine
+        thread waits on), and one sink call per stream with its outputs in order."""
+        by_loop: dict[asyncio.AbstractEventLoop, dict[Sink, list[RequestOutput]]] = {}
         for out in outs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-            loop, deltas = stream
-            by_loop.setdefault(loop, []).append((deltas, out))
-        for loop, items in by_loop.items():
-            _put_all_threadsafe(loop, items)
+            loop, sink = stream
+            by_loop.setdefault(loop, {}).setdefault(sink, []).append(out)
+        for loop, batches in by_loop.items():
+            _feed_threadsafe(loop, batches)
 
     def _loop(self) -> None:
         while True:
@@ -183,16 +221,22 @@ class AsyncLLM:
                 out = RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                                     token_ids=list(req.output_token_ids), text="", finish_reason="abort",
                                     adapter=req.adapter, error=error)
-                _put_all_threadsafe(stream[0], [(stream[1], out)])
+                _feed_threadsafe(stream[0], {stream[1]: [out]})
 
 
-def _put_all_threadsafe(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+Sink = Callable[[list[RequestOutput]], None]
+
+
+def _feed_threadsafe(loop: asyncio.AbstractEventLoop, batches: dict[Sink, list[RequestOutput]]) -> None:
     try:
-        loop.call_soon_threadsafe(_put_all, items)
+        loop.call_soon_threadsafe(_feed_all, batches)
     except RuntimeError:  # the consumer's event loop is closed: nobody reads these streams
         pass
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for deltas, out in items:
-        deltas.put_nowait(out)
+def _feed_all(batches: dict[Sink, list[RequestOutput]]) -> None:
+    for sink, outs in batches.items():
+        try:
+            sink(outs)
+        except Exception:  # one consumer's bug must not starve the others of this step's outputs
+            logger.exception("a stream's sink failed")

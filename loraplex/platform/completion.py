@@ -158,7 +158,8 @@ class Completions:
         return engine_overloaded(retry_after_s)
 
     async def _start(self, request: Request, gate: QuotaGate, c: Completion) -> tuple[Generation, Ticket]:
-        """Reserve quota, register the adapter if needed and queue the call's engine requests, all or none."""
+        """Reserve quota, then register the adapter if needed and queue the call's engine requests, all or
+        none, in one engine command."""
         body, caller, engine = c.body, gate.caller, self.engine
         # Admission counts the call as the sequences it runs: each reserves its prompt and max_tokens and holds
         # a concurrency slot. The refund at the end brings the charge down to the usage reported.
@@ -169,12 +170,10 @@ class Completions:
             self.metrics.observe_request(caller.tenant_name, c.endpoint, str(e.status_code))
             raise
         try:
-            if c.engine_adapter is not None:
-                await engine.ensure_adapter(c.engine_adapter, c.adapter_path)
             prompts = [p for p in c.prompts for _ in range(body.n)]
             try:
                 gen = await Generation.start(engine, prompts, list(c.params), c.engine_adapter, c.request_id,
-                                             caller.tenant_id)
+                                             caller.tenant_id, adapter_path=c.adapter_path)
             finally:
                 engine.stop_admitting(request.scope.setdefault("state", {}))
         except BaseException as exc:  # nothing ran: the reservation, the slots and the RPM unit go back

@@ -71,7 +71,10 @@ async def stream(c: Completion, gen: Generation, finalized: asyncio.Task):
     include_usage = bool(opts and opts.include_usage)
     base = {"id": c.request_id, "object": "chat.completion.chunk" if is_chat else "text_completion",
             "created": c.created, "model": c.body.model, "system_fingerprint": None}
-    extra = {"usage": None} if include_usage else {}
+    # Every chunk is json.dumps({**base, "choices": [choice], "usage": None if include_usage}), byte for
+    # byte; the call's constant part is serialized once, each token only its choice.
+    head = f"data: {json.dumps(base)[:-1]}, \"choices\": ["
+    tail = ("], \"usage\": null}" if include_usage else "]}") + "\n\n"
 
     def chunk(i: int, text: str | None, finish_reason: str | None, role: bool = False) -> str:
         if is_chat:
@@ -79,20 +82,23 @@ async def stream(c: Completion, gen: Generation, finalized: asyncio.Task):
             choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return _sse({**base, "choices": [choice], **extra})
+        return head + json.dumps(choice) + tail
 
     try:
         if is_chat:
-            for i in range(len(gen.choices)):
-                yield chunk(i, None, None, role=True)
-        async for i, out in gen.events():
-            if out.finish_reason == "abort":
-                yield _sse(error_of(c, out.error, out.adapter_failed).body())
-                continue
-            if out.delta_text:
-                yield chunk(i, out.delta_text, None)
-            if out.finished:
-                yield chunk(i, None, out.finish_reason)
+            yield "".join(chunk(i, None, None, role=True) for i in range(len(gen.choices)))
+        async for batch in gen.batches():  # one write per wake-up: a step's deltas of every choice
+            parts = []
+            for i, out in batch:
+                if out.finish_reason == "abort":
+                    parts.append(_sse(error_of(c, out.error, out.adapter_failed).body()))
+                    continue
+                if out.delta_text:
+                    parts.append(chunk(i, out.delta_text, None))
+                if out.finished:
+                    parts.append(chunk(i, None, out.finish_reason))
+            if parts:
+                yield "".join(parts)
         await asyncio.shield(finalized)
         if include_usage:
             yield _sse({**base, "choices": [], "usage": usage_body(c, gen).model_dump()})

@@ -1,8 +1,11 @@
 """The gateway's client of the engine (`AsyncLLM` in this process): tenant adapters in the engine,
 running requests and their fan-out into choices, tokenization, engine stats.
 
-Adapters are registered under their engine names (`adapter_names.engine_name`) on first use (several
-gateway processes each load what their own requests need). The gateway counts its requests per
+Adapters are registered under their engine names (`adapter_names.engine_name`) on first use, in the
+same engine command that queues the call (several gateway processes each load what their own requests
+need). Nothing is read then: the engine thread never parses an adapter; its first load, on the load
+thread, checks the store's files once more as it reads them (a file damaged since ends the requests
+for it with the reason). The gateway counts its requests per
 adapter: deleting an adapter waits for them to finish, then unregisters it.
 """
 
@@ -39,19 +42,6 @@ class EngineClient:
         self.num_admitting = 0  # requests between the door and submit (event loop only)
 
     # adapters -----------------------------------------------------------------------------------
-    async def ensure_adapter(self, name: str, path: str) -> None:
-        """Register `name` from `path` (files of the adapter store, validated at upload) unless it is
-        registered. Nothing is read here: the engine thread never parses an adapter; its first load, on the
-        load thread, checks the files once more as it reads them (a store file damaged since ends the
-        requests for it with the reason)."""
-        adapters = self.llm.engine.adapters
-
-        def ensure() -> None:  # on the engine thread: check and register in one step
-            if name not in adapters:
-                adapters.register(name, path, validated=True)
-
-        await self.llm.call(ensure)
-
     def hold(self, name: str) -> None:
         """Count a request on `name` from the moment it is resolved; `remove_adapter` waits for it."""
         self.num_running_by_adapter[name] += 1
@@ -154,29 +144,36 @@ class Choice:
 class Generation:
     """Engine requests for one API call (one per choice), queued all at once by `start`.
 
-    One task reads their deltas; it lives outside the HTTP handler's cancel scope, so `cancel()` (plain,
-    synchronous, safe in a `finally` of a cancelled stream) aborts the requests still running and their
-    KV blocks are freed. `events()` yields (choice index, delta) as they come; `wait()` waits until every
-    request has ended.
+    The engine thread hands each step's outputs straight to `_feed` on the event loop (one hand-off, no
+    reader task or queue in between), which updates the choices and wakes whoever streams them. Nothing
+    here runs in the HTTP handler's cancel scope, so `cancel()` (plain, synchronous, safe in a `finally`
+    of a cancelled stream) aborts the requests still running and their KV blocks are freed.
+    `batches()` yields the (choice index, delta) pairs that arrived since it last woke, `wait()` waits
+    until every request has ended.
     """
 
-    def __init__(self, service: EngineClient, request_ids: list[str], deltas: asyncio.Queue):
+    def __init__(self, service: EngineClient, request_ids: list[str]):
         self.service = service
         self.request_ids = request_ids
         self.choices = [Choice() for _ in request_ids]
         self.is_cancelled = False  # by the gateway: the client went away
         self._index = {rid: i for i, rid in enumerate(request_ids)}
-        self._events: asyncio.Queue = asyncio.Queue()
-        self._reader = asyncio.create_task(self._read(deltas))
+        self._num_open = len(request_ids)
+        self._pending: list[tuple[int, RequestOutput]] = []
+        self._wake: asyncio.Future | None = None
+        self._done = asyncio.get_running_loop().create_future()
 
     @classmethod
     async def start(cls, service: EngineClient, prompts: list[list[int]], params: list[SamplingParams],
-                    adapter: str | None, request_id: str, tenant_id: int) -> Generation:
-        """Queue the call's requests, all or none. Raises ValueError (input the engine refuses) or
-        EngineOverloadedError (its waiting queue is full) with nothing queued."""
-        rids = [f"{request_id}-{i}" for i in range(len(params))]
-        deltas = await service.llm.submit(prompts, params, rids, adapter=adapter, tenant_id=tenant_id)
-        return cls(service, rids, deltas)
+                    adapter: str | None, request_id: str, tenant_id: int, adapter_path: str | None = None
+                    ) -> Generation:
+        """Queue the call's requests, all or none, registering `adapter` from `adapter_path` (the store's
+        validated files) in the same engine command if the engine does not know it yet. Raises ValueError
+        (input the engine refuses) or EngineOverloadedError (its waiting queue is full) with nothing queued."""
+        gen = cls(service, [f"{request_id}-{i}" for i in range(len(params))])
+        await service.llm.submit_to(prompts, params, gen.request_ids, gen._feed, adapter=adapter,
+                                    adapter_path=adapter_path, tenant_id=tenant_id)
+        return gen
 
     @property
     def num_completion_tokens(self) -> int:
@@ -184,16 +181,19 @@ class Generation:
 
     @property
     def is_done(self) -> bool:
-        return self._reader.done()
+        return self._done.done()
 
-    async def _read(self, deltas: asyncio.Queue) -> None:
-        num_open = len(self.choices)
-        while num_open:
-            out: RequestOutput = await deltas.get()
+    def _feed(self, outs: list[RequestOutput]) -> None:
+        """One step's outputs of this call (on the event loop, from the engine thread's hand-off)."""
+        for out in outs:
             i = self._index[out.request_id]
             self._update(self.choices[i], out)
-            num_open -= out.finished
-            self._events.put_nowait((i, out))
+            self._num_open -= out.finished
+            self._pending.append((i, out))
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+        if not self._num_open and not self._done.done():
+            self._done.set_result(None)
 
     @staticmethod
     def _update(choice: Choice, out: RequestOutput) -> None:
@@ -205,16 +205,21 @@ class Generation:
         choice.error = out.error
         choice.adapter_failed = out.adapter_failed
 
-    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def batches(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+        """Everything that arrived since the last wake-up, (choice index, delta) in order, until every
+        request has ended; one consumer at a time."""
         num_open = len(self.choices)
         while num_open:
-            i, out = await self._events.get()
-            num_open -= out.finished
-            yield i, out
+            if not self._pending:
+                self._wake = asyncio.get_running_loop().create_future()
+                await self._wake
+            batch, self._pending = self._pending, []
+            num_open -= sum(out.finished for _, out in batch)
+            yield batch
 
     def cancel(self) -> None:
         """Abort every engine request still running (no-op once they have all ended)."""
-        if self._reader.done():
+        if self._done.done():
             return
         self.is_cancelled = True
         running = [rid for rid, c in zip(self.request_ids, self.choices, strict=True) if c.finish_reason is None]
@@ -222,4 +227,4 @@ class Generation:
 
     async def wait(self) -> None:
         """Until every engine request has ended (finished or aborted, its KV blocks freed)."""
-        await asyncio.shield(self._reader)
+        await asyncio.shield(self._done)

@@ -235,3 +235,35 @@ def test_async_engine_survives_callers_cancelled_mid_request():
         engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_submit_to_is_one_command_and_one_hand_off_per_step(tmp_path):
+    """A call registers its adapter and queues its requests in one engine command (a request waits for
+    one step boundary, not two), and each step's outputs of the call reach its sink in one call."""
+    from loraplex.adapters.synthetic import write_random_adapter
+
+    async def main():
+        engine = AsyncLLM("tiny-llama", load_format="dummy", dtype="float32", max_lora_rank=8, max_loras=1,
+                          kv_cache_memory=1 << 20)
+        write_random_adapter(tmp_path / "a", engine.engine.model_config, r=4, alpha=8, seed=1)
+        commands = []
+        put = engine._commands.put
+        engine._commands.put = lambda cmd: (commands.append(cmd), put(cmd))[1]
+        calls, done = [], asyncio.Event()
+
+        def sink(outs):
+            calls.append([(o.request_id, len(o.token_ids), o.finished) for o in outs])
+            if sum(finished for batch in calls for _, _, finished in batch) == 3:
+                done.set()
+
+        params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+        await engine.submit_to([[1, 2, 3], [4, 5], [6]], [params] * 3, ["r0", "r1", "r2"], sink, adapter="a",
+                               adapter_path=str(tmp_path / "a"))
+        assert len(commands) == 1 and "a" in engine.engine.adapters
+        await asyncio.wait_for(done.wait(), 60)
+        engine._commands.put = put
+        # The three prompts prefill in one step, then decode together: every step hands over all three.
+        assert calls == [[(f"r{i}", n, n == 5) for i in range(3)] for n in range(1, 6)]
+        engine.shutdown()
+
+    asyncio.run(main())
