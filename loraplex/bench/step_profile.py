@@ -168,7 +168,10 @@ def vllm_steps(python: Path, rows: list[int], context: int, steps: int, chunk: i
 
     by_mode = []
     for lora in (True, False):  # one vLLM engine per mode runs every shape
-        works = [workload(n, context, steps + 2, lora) for n in rows] + [workload(1, chunk, 1, lora)]
+        # Enough output that, once the last prompt's prefill is done (n * context / chunk steps in), every
+        # row still has `steps` tokens to make together.
+        works = [workload(n, context, steps + 2 + -(-n * context // chunk), lora) for n in rows] + [
+            workload(1, chunk, 1, lora)]
         runs, _ = run_vllm_many(python, works, adapter_dirs, model_dir=resolve_model(model), dtype=dtype,
                                 threads=threads, max_num_seqs=64, max_loras=16, max_lora_rank=8, workdir=workdir,
                                 lora=lora, max_num_batched_tokens=chunk)
