@@ -42,8 +42,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from loraplex.platform.serve import serve
 
-    serve(host=args.host, port=args.port, model=args.model, log_level=args.log_level)
-    return 0
+    return serve(host=args.host, port=args.port, model=args.model, log_level=args.log_level)
 
 
 def _build_kernels(args: argparse.Namespace) -> int:

@@ -1,4 +1,10 @@
-"""`loraplex serve`: migrations, first-start admin key, engine, then uvicorn on the gateway app.
+"""`loraplex serve`: the engine, then migrations, first-start admin key and uvicorn on the gateway app.
+
+The engine's step loop runs on the process's main thread and uvicorn's event loop on a second one
+(`loraplex-http`): on the CPU, PyTorch's OpenMP threads serve the thread that started them best, and
+the engine on a second thread ran the small preset at 0.75x (`AsyncLLM`). Signals reach the main
+thread, which hands them to uvicorn (`DrainingServer.handle_exit`); when uvicorn has shut down (the
+gateway drained and closed), the engine loop stops and the process exits.
 
 SIGTERM drains before it stops (what Kubernetes sends, then waits `terminationGracePeriodSeconds`, 30 s
 by default): new requests get 503 `server_shutting_down` with retry-after and /health answers 503,
@@ -12,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 
 import uvicorn
 
@@ -61,15 +68,42 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(host: str | None = None, port: int | None = None, model: str | None = None,
-          log_level: str = "info") -> None:
+          log_level: str = "info") -> int:
+    """Run the gateway until SIGTERM (drained) or Ctrl+C; returns the exit status (uvicorn's
+    STARTUP_FAILURE, 3, when it could not start, e.g. the port is taken; 1 when the HTTP thread failed)."""
+    from loraplex.engine.async_llm import AsyncLLM
     from loraplex.platform.config import Settings
+    from loraplex.platform.engine_client import EngineClient
     from loraplex.platform.main import create_app
 
     overrides = {k: v for k, v in (("host", host), ("port", port), ("model", model)) if v is not None}
     settings = Settings(**overrides)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
-    app = create_app(settings)
+    llm = AsyncLLM(settings.model, start=False, **settings.engine_kwargs())
+    app = create_app(settings, EngineClient(llm, settings.model_id))
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
                             timeout_graceful_shutdown=30, timeout_keep_alive=KEEP_ALIVE_S)
-    DrainingServer(config, app, settings.shutdown_grace_s).run()
+    server = DrainingServer(config, app, settings.shutdown_grace_s)
+    status = 0
+
+    def http() -> None:
+        nonlocal status
+        try:
+            server.run()  # uvicorn captures no signals off the main thread: they come from below
+            status = 0 if server.started else 1
+        except SystemExit as exc:  # uvicorn exits STARTUP_FAILURE when it cannot bind
+            status = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            logger.exception("the HTTP server failed")
+            status = 1
+        finally:
+            llm.shutdown()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, server.handle_exit)
+    thread = threading.Thread(target=http, name="loraplex-http")
+    thread.start()
+    llm.run()
+    thread.join()
+    return status

@@ -10,12 +10,16 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
 import pytest
 from sqlalchemy import create_engine, select
+from uvicorn.server import STARTUP_FAILURE
 
 from loraplex.bench.overload import LoadSpec, closed_loop, summarize
 from loraplex.platform.models import UsageRecord
@@ -139,3 +143,20 @@ def test_sigterm_during_load_drains_and_loses_no_usage(serve):
     refused = [o for o in outcomes if o.status == 503]
     assert refused and all(o.error_code == "server_shutting_down" and o.retry_after == "1" for o in refused)
     assert_usage_matches(proc.db_url, outcomes)
+
+
+def test_ctrl_c_stops_the_server_and_a_taken_port_ends_with_uvicorns_startup_failure(serve, tmp_path, model_path):
+    """The engine runs on the main thread and uvicorn on another: the main thread hands signals over, so
+    a Ctrl+C still stops both, and a port already taken ends the process with uvicorn's own status for
+    a failed start (3) and the reason."""
+    proc = serve()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")} | {
+        "LORAPLEX_HOME": str(tmp_path / "home2"), "LORAPLEX_MODEL": str(model_path), "LORAPLEX_DTYPE": "float32",
+        "LORAPLEX_KV_CACHE_MEMORY": str(16 << 20), "LORAPLEX_PORT": str(proc.port)}
+    taken = subprocess.run([sys.executable, "-m", "loraplex.cli", "serve", "--log-level", "warning"], env=env,
+                           capture_output=True, text=True, timeout=240)
+    assert taken.returncode == STARTUP_FAILURE == 3, taken.stdout[-3000:] + taken.stderr[-3000:]
+    assert "address already in use" in (taken.stdout + taken.stderr).lower()
+    assert httpx.get(proc.url + "/health", timeout=5, trust_env=False).json() == {"status": "ok"}
+    proc.proc.send_signal(signal.SIGINT)
+    assert proc.proc.wait(timeout=60) == 0, proc.output()[-3000:]
