@@ -173,7 +173,8 @@ class Completions:
             prompts = [p for p in c.prompts for _ in range(body.n)]
             try:
                 gen = await Generation.start(engine, prompts, list(c.params), c.engine_adapter, c.request_id,
-                                             caller.tenant_id, adapter_path=c.adapter_path)
+                                             caller.tenant_id, adapter_path=c.adapter_path,
+                                             stream=bool(c.body.stream))
             finally:
                 engine.stop_admitting(request.scope.setdefault("state", {}))
         except BaseException as exc:  # nothing ran: the reservation, the slots and the RPM unit go back

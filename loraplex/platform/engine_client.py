@@ -152,8 +152,9 @@ class Generation:
     until every request has ended.
     """
 
-    def __init__(self, service: EngineClient, request_ids: list[str]):
+    def __init__(self, service: EngineClient, request_ids: list[str], stream: bool = True):
         self.service = service
+        self.stream = stream  # keep each delta for `batches()`; a JSON answer needs only the choices
         self.request_ids = request_ids
         self.choices = [Choice() for _ in request_ids]
         self.is_cancelled = False  # by the gateway: the client went away
@@ -165,12 +166,14 @@ class Generation:
 
     @classmethod
     async def start(cls, service: EngineClient, prompts: list[list[int]], params: list[SamplingParams],
-                    adapter: str | None, request_id: str, tenant_id: int, adapter_path: str | None = None
-                    ) -> Generation:
+                    adapter: str | None, request_id: str, tenant_id: int, adapter_path: str | None = None,
+                    stream: bool = True) -> Generation:
         """Queue the call's requests, all or none, registering `adapter` from `adapter_path` (the store's
         validated files) in the same engine command if the engine does not know it yet. Raises ValueError
-        (input the engine refuses) or EngineOverloadedError (its waiting queue is full) with nothing queued."""
-        gen = cls(service, [f"{request_id}-{i}" for i in range(len(params))])
+        (input the engine refuses) or EngineOverloadedError (its waiting queue is full) with nothing queued.
+        stream=False: the deltas are not kept (each carries the output so far, so keeping all of them
+        would hold memory quadratic in the output's length); only `choices` and `wait()` are used."""
+        gen = cls(service, [f"{request_id}-{i}" for i in range(len(params))], stream)
         await service.llm.submit_to(prompts, params, gen.request_ids, gen._feed, adapter=adapter,
                                     adapter_path=adapter_path, tenant_id=tenant_id)
         return gen
@@ -189,7 +192,8 @@ class Generation:
             i = self._index[out.request_id]
             self._update(self.choices[i], out)
             self._num_open -= out.finished
-            self._pending.append((i, out))
+            if self.stream:
+                self._pending.append((i, out))
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
         if not self._num_open and not self._done.done():
@@ -207,7 +211,9 @@ class Generation:
 
     async def batches(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
         """Everything that arrived since the last wake-up, (choice index, delta) in order, until every
-        request has ended; one consumer at a time."""
+        request has ended; one consumer at a time, and only for a Generation started with stream=True."""
+        if not self.stream:
+            raise RuntimeError("this Generation keeps no deltas (started with stream=False)")
         num_open = len(self.choices)
         while num_open:
             if not self._pending:
