@@ -34,8 +34,9 @@ class AsyncLLM:
     start: run the step loop on a thread of its own (True), or leave it to the caller, who calls `run()`
     on the thread that should own it (`loraplex serve`: the process's main thread, the event loop on
     another). On the CPU, the thread that builds the engine should run it: PyTorch's OpenMP team belongs
-    to the thread that starts it, and a 2-thread engine stepping from a second Python thread ran the
-    small preset at 0.75x of the same engine on the main thread (docs/performance.md).
+    to the thread that starts it. With libgomp's spinning wait policy, a 2-thread engine stepping from a
+    second Python thread ran the small workload at 0.75x of the same engine on the main thread (with
+    the passive policy loraplex sets by default, both ran about as slow; docs/performance.md).
     """
 
     def __init__(self, model: str = "smollm2-135m-instruct", *, start: bool = True, **kwargs):

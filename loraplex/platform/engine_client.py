@@ -214,13 +214,11 @@ class Generation:
         request has ended; one consumer at a time, and only for a Generation started with stream=True."""
         if not self.stream:
             raise RuntimeError("this Generation keeps no deltas (started with stream=False)")
-        num_open = len(self.choices)
-        while num_open:
+        while self._pending or not self._done.done():  # done: every final output is already pending
             if not self._pending:
                 self._wake = asyncio.get_running_loop().create_future()
                 await self._wake
             batch, self._pending = self._pending, []
-            num_open -= sum(out.finished for _, out in batch)
             yield batch
 
     def cancel(self) -> None:

@@ -57,10 +57,11 @@ class Gateway:
         self.db.dispose()
 
 
-def load_engine(settings: Settings) -> EngineClient:
+def load_engine(settings: Settings, *, start: bool = True) -> EngineClient:
+    """The engine of `settings`; start=False leaves its step loop to the caller (`AsyncLLM.run`)."""
     from loraplex.engine.async_llm import AsyncLLM
 
-    return EngineClient(AsyncLLM(settings.model, **settings.engine_kwargs()), settings.model_id)
+    return EngineClient(AsyncLLM(settings.model, start=start, **settings.engine_kwargs()), settings.model_id)
 
 
 def open_gateway(settings: Settings, engine: EngineClient | None = None, *, migrate: bool = True) -> Gateway:

@@ -1,8 +1,9 @@
 """`loraplex serve`: the engine, then migrations, first-start admin key and uvicorn on the gateway app.
 
 The engine's step loop runs on the process's main thread and uvicorn's event loop on a second one
-(`loraplex-http`): on the CPU, PyTorch's OpenMP threads serve the thread that started them best, and
-the engine on a second thread ran the small preset at 0.75x (`AsyncLLM`). Signals reach the main
+(`loraplex-http`): on the CPU, PyTorch's OpenMP threads serve the thread that started them best (with
+libgomp's spinning wait policy, the engine on a second thread ran the small workload at 0.75x; see
+`AsyncLLM`). Signals reach the main
 thread, which hands them to uvicorn (`DrainingServer.handle_exit`); when uvicorn has shut down (the
 gateway drained and closed), the engine loop stops and the process exits.
 
@@ -71,17 +72,17 @@ def serve(host: str | None = None, port: int | None = None, model: str | None = 
           log_level: str = "info") -> int:
     """Run the gateway until SIGTERM (drained) or Ctrl+C; returns the exit status (uvicorn's
     STARTUP_FAILURE, 3, when it could not start, e.g. the port is taken; 1 when the HTTP thread failed)."""
-    from loraplex.engine.async_llm import AsyncLLM
     from loraplex.platform.config import Settings
-    from loraplex.platform.engine_client import EngineClient
+    from loraplex.platform.gateway import load_engine
     from loraplex.platform.main import create_app
 
     overrides = {k: v for k, v in (("host", host), ("port", port), ("model", model)) if v is not None}
     settings = Settings(**overrides)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
-    llm = AsyncLLM(settings.model, start=False, **settings.engine_kwargs())
-    app = create_app(settings, EngineClient(llm, settings.model_id))
+    engine = load_engine(settings, start=False)
+    llm = engine.llm
+    app = create_app(settings, engine)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
                             timeout_graceful_shutdown=30, timeout_keep_alive=KEEP_ALIVE_S)
     server = DrainingServer(config, app, settings.shutdown_grace_s)
