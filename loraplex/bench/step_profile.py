@@ -5,7 +5,8 @@ over 16 rank-8 adapters on q/k/v/o, or the base model alone) and times `steps` d
 prefill chunk of `max_num_batched_tokens` tokens, with wall-clock timers wrapped around the engine's own
 functions for the run (the CPU runs them synchronously, so a wrapped call's wall time is its cost):
 
-    base GEMMs      the q/k/v, o, gate/up and down projections on a base-only step (nn.Linear)
+    base GEMMs      the q/k/v, o, gate/up and down projections on a base-only step (F.linear, or the
+                    GEMM on a weight packed for MKL, `kernels/cpu_gemm.py`)
     LoRA            the same projections with adapters, minus their base-only time (on the CPU the
                     shrink of some adapters runs inside the base GEMM, so only the difference is LoRA)
     attention       `paged_attention`: writing this step's K/V and attending
@@ -71,19 +72,25 @@ class Timers:
         lm_head = engine.model.lm_head
         linear_forward = nn.Linear.forward
         timed_linear = self.wrap("projections", linear_forward)
+        base_linear = model_mod.base_linear  # the packed-weight GEMMs go around nn.Linear.forward
+        timed_base = self.wrap("projections", base_linear)
 
         def linear(mod, x):
             return linear_forward(mod, x) if mod is lm_head else timed_linear(mod, x)
 
-        saved = [(model_mod, "paged_attention"), (model_mod, "lora_linear"), (runner_mod, "sample_rows"),
+        def base(mod, x):
+            return base_linear(mod, x) if mod is lm_head else timed_base(mod, x)
+
+        saved = [(model_mod, "paged_attention"), (model_mod, "lora_linear"), (model_mod, "base_linear"),
+                 (runner_mod, "sample_rows"),
                  (engine.runner, "prepare"), (engine.model, "compute_logits"), (engine.scheduler, "schedule"),
                  (engine.scheduler, "update_from_output")]
         originals = [getattr(obj, name) for obj, name in saved]
-        names = ["attention", "projections", "sampling", "metadata", "lm_head", "scheduling", "scheduling"]
+        names = ["attention", "projections", None, "sampling", "metadata", "lm_head", "scheduling", "scheduling"]
         try:
             nn.Linear.forward = linear
             for (obj, attr), fn, name in zip(saved, originals, names, strict=True):
-                setattr(obj, attr, self.wrap(name, fn))
+                setattr(obj, attr, base if name is None else self.wrap(name, fn))
             engine.model.forward = self.wrap("forward", engine.model.forward)
             yield self
         finally:

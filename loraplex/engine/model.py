@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.engine.attention import AttentionMetadata, paged_attention
-from loraplex.kernels import LoRAMeta, LoRAWeights, lora_linear
+from loraplex.kernels import LoRAMeta, LoRAWeights, base_linear, lora_linear
 from loraplex.model_config import ModelConfig
 
 
@@ -75,7 +75,7 @@ class Attention(nn.Module):
         if lora is not None and "q_proj" in self.lora:
             qkv = lora_linear(x, self.qkv_proj, [self.lora["q_proj"], self.lora["k_proj"], self.lora["v_proj"]], lora)
         else:
-            qkv = self.qkv_proj(x)  # [T, q + 2 kv]
+            qkv = base_linear(self.qkv_proj, x)  # [T, q + 2 kv]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_attention_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_key_value_heads, cfg.head_dim)
@@ -84,7 +84,7 @@ class Attention(nn.Module):
         o = paged_attention(q, k, v, kv_cache, attn).reshape(-1, cfg.q_size)  # [T, nH * D]
         if lora is not None and "o_proj" in self.lora:
             return lora_linear(o, self.o_proj, [self.lora["o_proj"]], lora)
-        return self.o_proj(o)
+        return base_linear(self.o_proj, o)
 
 
 class MLP(nn.Module):
@@ -101,12 +101,12 @@ class MLP(nn.Module):
         if lora is not None and "gate_proj" in self.lora:
             gate_up = lora_linear(x, self.gate_up_proj, [self.lora["gate_proj"], self.lora["up_proj"]], lora)
         else:
-            gate_up = self.gate_up_proj(x)  # [T, 2I]
+            gate_up = base_linear(self.gate_up_proj, x)  # [T, 2I]
         gate, up = gate_up.split(self.inter, dim=-1)
         h = F.silu(gate) * up  # [T, I]
         if lora is not None and "down_proj" in self.lora:
             return lora_linear(h, self.down_proj, [self.lora["down_proj"]], lora)
-        return self.down_proj(h)
+        return base_linear(self.down_proj, h)
 
 
 class DecoderLayer(nn.Module):
@@ -164,7 +164,7 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, H] -> fp32 logits [B, V]."""
-        return self.lm_head(hidden).float()
+        return base_linear(self.lm_head, hidden).float()
 
     def load_hf_weights(self, weights) -> None:
         """Copy (name, tensor) pairs in Hugging Face naming into the fused parameters.

@@ -2,7 +2,8 @@
 
 Files by concern: `metadata` (the step's segments), `weights` (slot buffers: weights only),
 `reference` (the fp32 reference), `cpu` (the CPU implementation, which owns the CPU paths' caches),
-`cpu_packed` and `cpu_bgmv` (the CPU paths), `cpu_ext` (the compiled CPU kernel), `triton_sgmv` (the
+`cpu_packed` and `cpu_bgmv` (the CPU paths), `cpu_ext` (the compiled CPU kernel), `cpu_gemm` (base
+linears on weights packed for MKL), `triton_sgmv` (the
 CUDA kernels), `lora_ops` (the dispatch). Nothing here imports `engine/` or
 `adapters/`.
 
@@ -11,6 +12,8 @@ The Triton names (`add_lora_triton`, `sgmv_shrink`, `sgmv_expand`, `TileConfig`,
 Triton interpreter mode (TRITON_INTERPRET is read when the kernels are defined).
 """
 
+from loraplex.kernels.cpu_gemm import linear as base_linear
+from loraplex.kernels.cpu_gemm import pack_linears
 from loraplex.kernels.cpu_packed import FusedShrink, add_lora_packed, attach_fused_shrink
 from loraplex.kernels.lora_ops import BACKENDS, add_lora, lora_linear, set_backend
 from loraplex.kernels.metadata import LoRAMeta, build_lora_meta
@@ -29,10 +32,12 @@ __all__ = [
     "add_lora_packed",
     "add_lora_segmented",
     "attach_fused_shrink",
+    "base_linear",
     "build_lora_meta",
     "lora_expand_ref",
     "lora_linear",
     "lora_shrink_ref",
+    "pack_linears",
     "set_backend",
     *_TRITON_NAMES,
 ]

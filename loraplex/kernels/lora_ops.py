@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from loraplex.kernels.cpu import CPULoRA
+from loraplex.kernels.cpu_gemm import linear as base_linear
 from loraplex.kernels.cpu_packed import fused_layout, fused_linear, fused_shrink_of
 from loraplex.kernels.metadata import LoRAMeta
 from loraplex.kernels.reference import add_lora_segmented
@@ -57,13 +58,13 @@ def lora_linear(x: torch.Tensor, linear: nn.Linear, slices: Sequence[LoRAWeights
     """
     fs = fused_shrink_of(linear)
     if fs is None or _backend != "auto" or not meta.has_lora:
-        return add_lora(linear(x), x, slices, meta)
+        return add_lora(base_linear(linear, x), x, slices, meta)
     if all(w.live.isdisjoint(meta.active_slots) for w in slices):
-        return linear(x)  # no adapter of this step targets this projection (q/k/v/o-only adapters on the MLP)
+        return base_linear(linear, x)  # no adapter of this step targets this projection (q/k/v/o-only adapters on the MLP)
     backend = _pick_backend(x, meta, slices)
     layout = fused_layout(meta, slices[0].page, len(slices), fs.cap_pages) if backend == "packed" else None
     if layout is None:
-        return _dispatch(linear(x), x, slices, meta, _offsets(slices), backend)
+        return _dispatch(base_linear(linear, x), x, slices, meta, _offsets(slices), backend)
     return fused_linear(x, linear, slices, meta, layout)
 
 

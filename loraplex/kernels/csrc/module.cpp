@@ -1,4 +1,5 @@
-// The CPU extension's Python module: the functions of bgmv_cpu.cpp and paged_attention_cpu.cpp.
+// The CPU extension's Python module: the functions of bgmv_cpu.cpp, paged_attention_cpu.cpp and
+// packed_gemm_cpu.cpp.
 #include <torch/extension.h>
 
 #include <vector>
@@ -10,6 +11,11 @@ void bgmv(at::Tensor y, at::Tensor x, at::Tensor order, at::Tensor sid, std::vec
           bool vec);
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor tiles, int64_t block_size, double scale);
+bool packed_gemm_available();
+at::Tensor packed_gemm_pack(const at::Tensor& weight);
+int64_t packed_gemm_bytes(int64_t n, int64_t k);
+at::Tensor packed_gemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                              const c10::optional<at::Tensor>& bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bgmv", &bgmv, "Multi-adapter LoRA, one adapter per row, in place on y (see bgmv_cpu.cpp)");
@@ -17,4 +23,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("avx512_bf16_available", &avx512_bf16_available, "Whether its bf16 shrink multiplies bf16 pairs");
   m.def("paged_attention", &paged_attention,
         "Attention of each row over its request's K/V read through the block table (see paged_attention_cpu.cpp)");
+  m.def("packed_gemm_available", &packed_gemm_available, "Whether this PyTorch's MKL has the packed GEMM");
+  m.def("packed_gemm_pack", &packed_gemm_pack, "An fp32 [N, K] weight packed for packed_gemm_linear");
+  m.def("packed_gemm_bytes", &packed_gemm_bytes, "Bytes of a packed [N, K] weight");
+  m.def("packed_gemm_linear", &packed_gemm_linear, "x @ weight^T (+ bias) on a packed weight (see packed_gemm_cpu.cpp)",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
 }
