@@ -87,10 +87,12 @@ def test_mixed_step_matches_fp64_attention(path, dtype, tol, heads):
     assert torch.equal(caches[0][attn.slot_mapping], k) and torch.equal(caches[1][attn.slot_mapping], v)
 
 
-@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 1, 32)], ids=["gqa", "mqa-32"])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 1, 32), (32, 8, 32)], ids=["gqa", "mqa-32", "gqa-32-8"])
 def test_kernel_alone_attends_prefill_tiles_too(heads):
     """The compiled kernel's own semantics cover prefill chunks (tiles of rows), though the engine sends
-    it decodes only (prefill chunks go to `_prefill_matmul`): every row of the mixed step through it."""
+    it decodes only (prefill chunks go to `_prefill_matmul`): every row of the mixed step through it.
+    With 32 heads over 8 kv heads a 16-row tile has more queries than one work item holds, so each kv
+    head is its own work item; in the others one item takes every kv head of a tile."""
     nh, nkv, d = heads
     q, k, v, caches, attn, full = make_step(STEP, nh, nkv, d, torch.float32, torch.Generator().manual_seed(2))
     caches[0][attn.slot_mapping], caches[1][attn.slot_mapping] = k, v

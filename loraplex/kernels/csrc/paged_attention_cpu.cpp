@@ -26,7 +26,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -55,75 +58,132 @@ struct Args {
 #define LORAPLEX_CLONES
 #endif
 
-// One tile (rows row0 .. row0 + n - 1 of request seq) and one kv head g.
-// scratch: kScratch floats, one buffer per thread.
-template <typename T>
-LORAPLEX_CLONES void attend(const Args<T>& a, int64_t row0, int64_t n, int64_t seq, int64_t ctx0, int64_t g,
-                            float* scratch) {
-  const int64_t D = a.D, G = a.G, M = n * G, bs = a.bs;
-  float* qf = scratch;                // [M, D] the queries, scaled
-  float* acc = qf + kMaxQueries * D;  // [M, D] running sum of p V
-  float* kf = acc + kMaxQueries * D;  // [bs, D] one block of K, widened
+// exp(x) for x <= 0 (a score minus its running max), vectorizable: Cephes' expf (range reduction by
+// ln 2 in two parts, a degree-5 polynomial on [-ln2/2, ln2/2], 2^n built in the exponent bits), within
+// 1 ulp of exp on [-87, 0] (checked against fp64); 0 below -87.3 (2^-126), NaN stays NaN. The loops that call it run
+// through `#pragma omp simd`, where a call to std::exp would stay one scalar call per element.
+static inline float exp_nonpositive(float x) {
+  const float t = x * 1.44269504088896341f;
+  const float n = (t + 12582912.f) - 12582912.f;  // round to nearest: 1.5 x 2^23 drops the fraction
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n < -126.f ? -126.f : n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.3f ? 0.f : y * scale;
+}
+
+// One tile (rows row0 .. row0 + n - 1 of request seq) and the kv heads g0 .. g0 + ng - 1. Taking every
+// kv head of a decode in one work item reads each block of the cache front to back once (its slots hold
+// all heads side by side), where one head per item read a third of every slot and skipped the rest;
+// the next block is prefetched while this one is used (blocks are scattered, so the hardware's
+// prefetcher, which stops at page ends, does not find it). kD: the head dim when known at compile time
+// (64, 128: the loops over it unroll into whole vector registers), else 0 (a.D).
+// scratch: kScratch floats, one buffer per thread; ng x n x G <= kMaxQueries.
+template <typename T, int64_t kD>
+LORAPLEX_CLONES void attend(const Args<T>& a, int64_t row0, int64_t n, int64_t seq, int64_t ctx0, int64_t g0,
+                            int64_t ng, float* scratch) {
+  const int64_t D = kD ? kD : a.D, G = a.G, M = n * G, bs = a.bs;
+  float* qf = scratch;                // [ng, M, D] the queries, scaled
+  float* acc = qf + kMaxQueries * D;  // [ng, M, D] running sum of p V
+  float* kf = acc + kMaxQueries * D;  // [bs, D] one block of one head's K, widened (not fp32 caches)
   float* vf = kf + kMaxBlock * D;     // [bs, D] and of V
-  float* mx = vf + kMaxBlock * D;     // [M] running max of the scores
-  float* sum = mx + kMaxQueries;      // [M] running sum of exp(score - max)
-  float* s = sum + kMaxQueries;       // [bs] one query's scores in the block
-  for (int64_t m = 0; m < M; ++m) {
-    const T* qr = a.q + (row0 + m / G) * a.q_row + (g * G + m % G) * a.q_head;
-    float* qm = qf + m * D;
-    for (int64_t d = 0; d < D; ++d) qm[d] = float(qr[d]) * a.scale;
-    float* am = acc + m * D;
-    for (int64_t d = 0; d < D; ++d) am[d] = 0.f;
-    mx[m] = -std::numeric_limits<float>::infinity();
-    sum[m] = 0.f;
+  float* mx = vf + kMaxBlock * D;     // [ng, M] running max of the scores
+  float* sum = mx + kMaxQueries;      // [ng, M] running sum of exp(score - max)
+  float* s = sum + kMaxQueries;       // [bs] one query's scores in the block, then their exp
+  const float* krow[kMaxBlock];
+  const float* vrow[kMaxBlock];
+  for (int64_t gi = 0; gi < ng; ++gi) {
+    for (int64_t m = 0; m < M; ++m) {
+      const T* qr = a.q + (row0 + m / G) * a.q_row + ((g0 + gi) * G + m % G) * a.q_head;
+      float* qm = qf + (gi * M + m) * D;
+      for (int64_t d = 0; d < D; ++d) qm[d] = float(qr[d]) * a.scale;
+      float* am = acc + (gi * M + m) * D;
+      for (int64_t d = 0; d < D; ++d) am[d] = 0.f;
+      mx[gi * M + m] = -std::numeric_limits<float>::infinity();
+      sum[gi * M + m] = 0.f;
+    }
   }
   const int64_t last = ctx0 + n - 1;  // keys the tile's last row attends
   const int64_t* table = a.tables + seq * a.table_stride;
+  const int64_t slot_bytes = a.slot_stride * static_cast<int64_t>(sizeof(T));
   for (int64_t start = 0; start < last; start += bs) {
     const int64_t nk = std::min(bs, last - start);
     const int64_t base = table[start / bs] * bs;
-    for (int64_t j = 0; j < nk; ++j) {
-      const T* kr = a.k + (base + j) * a.slot_stride + g * a.kv_head;
-      const T* vr = a.v + (base + j) * a.slot_stride + g * a.kv_head;
-      float* kj = kf + j * D;
-      float* vj = vf + j * D;
-      for (int64_t d = 0; d < D; ++d) kj[d] = float(kr[d]);
-      for (int64_t d = 0; d < D; ++d) vj[d] = float(vr[d]);
+    if (start + bs < last) {
+      const int64_t next = table[start / bs + 1] * bs;
+      const char* kn = reinterpret_cast<const char*>(a.k + next * a.slot_stride);
+      const char* vn = reinterpret_cast<const char*>(a.v + next * a.slot_stride);
+      for (int64_t off = 0; off < std::min(bs, last - start - bs) * slot_bytes; off += 64) {
+        __builtin_prefetch(kn + off);
+        __builtin_prefetch(vn + off);
+      }
     }
-    for (int64_t m = 0; m < M; ++m) {
-      const int64_t limit = std::min(nk, ctx0 + m / G - start);  // this query's keys in the block
-      if (limit <= 0) continue;
-      const float* qm = qf + m * D;
-      float best = mx[m];
-      for (int64_t j = 0; j < limit; ++j) {
-        const float* kj = kf + j * D;
-        float dot = 0.f;
+    for (int64_t gi = 0; gi < ng; ++gi) {
+      const int64_t g = g0 + gi;
+      for (int64_t j = 0; j < nk; ++j) {
+        const T* kr = a.k + (base + j) * a.slot_stride + g * a.kv_head;
+        const T* vr = a.v + (base + j) * a.slot_stride + g * a.kv_head;
+        if constexpr (std::is_same<T, float>::value) {  // read in place
+          krow[j] = kr;
+          vrow[j] = vr;
+        } else {
+          float* kj = kf + j * D;
+          float* vj = vf + j * D;
+          for (int64_t d = 0; d < D; ++d) kj[d] = float(kr[d]);
+          for (int64_t d = 0; d < D; ++d) vj[d] = float(vr[d]);
+          krow[j] = kj;
+          vrow[j] = vj;
+        }
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t limit = std::min(nk, ctx0 + m / G - start);  // this query's keys in the block
+        if (limit <= 0) continue;
+        const int64_t qi = gi * M + m;
+        const float* qm = qf + qi * D;
+        float best = mx[qi];
+        for (int64_t j = 0; j < limit; ++j) {
+          const float* kj = krow[j];
+          float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qm[d] * kj[d];
-        s[j] = dot;
-        best = std::max(best, dot);
-      }
-      const float corr = std::exp(mx[m] - best);  // exp(-inf) = 0 on the first block
-      float* am = acc + m * D;
-      float total = sum[m] * corr;
+          for (int64_t d = 0; d < D; ++d) dot += qm[d] * kj[d];
+          s[j] = dot;
+          best = std::max(best, dot);
+        }
+        const float corr = std::exp(mx[qi] - best);  // exp(-inf) = 0 on the first block
+        float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
+        for (int64_t j = 0; j < limit; ++j) {
+          s[j] = exp_nonpositive(s[j] - best);
+          block_sum += s[j];
+        }
+        float* am = acc + qi * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) am[d] *= corr;
-      for (int64_t j = 0; j < limit; ++j) {
-        const float p = std::exp(s[j] - best);
-        total += p;
-        const float* vj = vf + j * D;
+        for (int64_t d = 0; d < D; ++d) am[d] *= corr;
+        for (int64_t j = 0; j < limit; ++j) {
+          const float p = s[j];
+          const float* vj = vrow[j];
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) am[d] += p * vj[d];
+          for (int64_t d = 0; d < D; ++d) am[d] += p * vj[d];
+        }
+        mx[qi] = best;
+        sum[qi] = sum[qi] * corr + block_sum;
       }
-      mx[m] = best;
-      sum[m] = total;
     }
   }
-  for (int64_t m = 0; m < M; ++m) {
-    T* o = a.out + (row0 + m / G) * a.q_row + (g * G + m % G) * a.q_head;
-    const float inv = 1.f / sum[m];
-    const float* am = acc + m * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = T(am[d] * inv);
+  for (int64_t gi = 0; gi < ng; ++gi) {
+    for (int64_t m = 0; m < M; ++m) {
+      T* o = a.out + (row0 + m / G) * a.q_row + ((g0 + gi) * G + m % G) * a.q_head;
+      const float inv = 1.f / sum[gi * M + m];
+      const float* am = acc + (gi * M + m) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = T(am[d] * inv);
+    }
   }
 }
 
@@ -135,12 +195,21 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
             block_tables.data_ptr<int64_t>(), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             block_tables.stride(0), bs, q.size(2), q.size(1) / nkv, float(scale)};
   const int64_t* tl = tiles.data_ptr<int64_t>();
-  const int64_t items = tiles.size(0) * nkv;
+  // Every kv head of a tile in one work item where its queries fit the scratch (decodes: n = 1), else one
+  // kv head per item (prefill tiles, cut to kMaxQueries / G rows).
+  int64_t widest = 1;
+  for (int64_t i = 0; i < tiles.size(0); ++i) widest = std::max(widest, tl[4 * i + 1]);
+  const int64_t ng = widest * q.size(1) <= kMaxQueries ? nkv : 1;
+  const int64_t per_tile = nkv / ng;
+  const int64_t items = tiles.size(0) * per_tile;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(kScratch);  // on the heap: too large for an OpenMP thread's stack
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t* t = tl + (w / nkv) * 4;
-      attend<T>(a, t[0], t[1], t[2], t[3], w % nkv, scratch.data());
+      const int64_t* t = tl + (w / per_tile) * 4;
+      const int64_t g0 = (w % per_tile) * ng;
+      if (a.D == 64) attend<T, 64>(a, t[0], t[1], t[2], t[3], g0, ng, scratch.data());
+      else if (a.D == 128) attend<T, 128>(a, t[0], t[1], t[2], t[3], g0, ng, scratch.data());
+      else attend<T, 0>(a, t[0], t[1], t[2], t[3], g0, ng, scratch.data());
     }
   });
 }
