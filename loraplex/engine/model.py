@@ -17,12 +17,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.engine.attention import AttentionMetadata, paged_attention
-from loraplex.kernels import LoRAMeta, LoRAWeights, base_linear, lora_linear
+from loraplex.kernels import LoRAMeta, LoRAWeights, base_linear, cpu_ext, lora_linear
 from loraplex.model_config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 (as HF LlamaRMSNorm)."""
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 (as HF LlamaRMSNorm).
+
+    fp32 takes PyTorch's fused `F.rms_norm`, whose result equals HF's four-op form bit for bit (tested)
+    in one pass instead of four; other dtypes keep HF's form (normalize in fp32, round, then weight)."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -30,13 +33,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE (Su et al., arXiv:2104.09864) in HF's rotate-half layout; cos/sin cached in fp32."""
+    """RoPE (Su et al., arXiv:2104.09864) in HF's rotate-half layout; cos/sin cached in fp32.
+
+    The rows of a step's positions are gathered once per step and shared by every layer (the layers get
+    the same `positions` tensor). fp32 q/k on a CPU are rotated in place by the compiled kernel
+    (`kernels/csrc/rope_cpu.cpp`, equal to the PyTorch form bit for bit); elsewhere, or where the kernel
+    is not built, by PyTorch ops."""
 
     def __init__(self, head_dim: int, max_len: int, theta: float):
         super().__init__()
@@ -45,12 +55,33 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, D]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self._rows: tuple | None = None  # (positions, dtype, cos [T, D], sin [T, D]) of the current step
+
+    def rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, D] in `dtype` at `positions` [T]; gathered once for the same positions tensor."""
+        cached = self._rows
+        if cached is None or cached[0] is not positions or cached[1] != dtype:
+            cached = self._rows = (positions, dtype, self.cos[positions].to(dtype), self.sin[positions].to(dtype))
+        return cached[2], cached[3]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T]; q [T, nH, D]; k [T, nKV, D] -> rotated (q, k)."""
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        """positions [T]; q [T, nH, D]; k [T, nKV, D] -> rotated (q, k), new tensors."""
+        cos, sin = self.rows(positions, q.dtype)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def rotate_qk_(self, positions: torch.Tensor, qk: torch.Tensor, heads: int, head_dim: int) -> bool:
+        """Rotate the first `heads` heads of each row of qk [T, >= heads x D] (q's then k's columns of a
+        qkv output) in place, if the compiled kernel takes it (fp32 on a CPU); False when it does not and
+        the caller should use `forward`."""
+        if qk.dtype != torch.float32 or qk.device.type != "cpu" or qk.stride(-1) != 1:
+            return False
+        ext = cpu_ext.load()
+        if ext is None:
+            return False
+        cos, sin = self.rows(positions, qk.dtype)
+        ext.rope_inplace(qk, cos, sin, heads, head_dim)
+        return True
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -76,11 +107,13 @@ class Attention(nn.Module):
             qkv = lora_linear(x, self.qkv_proj, [self.lora["q_proj"], self.lora["k_proj"], self.lora["v_proj"]], lora)
         else:
             qkv = base_linear(self.qkv_proj, x)  # [T, q + 2 kv]
+        rotated = self.rope.rotate_qk_(positions, qkv, cfg.num_attention_heads + cfg.num_key_value_heads, cfg.head_dim)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_attention_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_key_value_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_key_value_heads, cfg.head_dim)
-        q, k = self.rope(positions, q, k)
+        if not rotated:
+            q, k = self.rope(positions, q, k)
         o = paged_attention(q, k, v, kv_cache, attn).reshape(-1, cfg.q_size)  # [T, nH * D]
         if lora is not None and "o_proj" in self.lora:
             return lora_linear(o, self.o_proj, [self.lora["o_proj"]], lora)
@@ -103,7 +136,7 @@ class MLP(nn.Module):
         else:
             gate_up = base_linear(self.gate_up_proj, x)  # [T, 2I]
         gate, up = gate_up.split(self.inter, dim=-1)
-        h = F.silu(gate) * up  # [T, I]
+        h = F.silu(gate).mul_(up)  # [T, I]; in place on silu's output: one pass and one buffer fewer
         if lora is not None and "down_proj" in self.lora:
             return lora_linear(h, self.down_proj, [self.lora["down_proj"]], lora)
         return base_linear(self.down_proj, h)
@@ -118,8 +151,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, positions, kv_cache, attn, lora):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, attn, lora)
-        return x + self.mlp(self.post_attention_layernorm(x), lora)
+        """x [T, H] (the residual stream; updated in place) -> [T, H]."""
+        x += self.self_attn(self.input_layernorm(x), positions, kv_cache, attn, lora)
+        x += self.mlp(self.post_attention_layernorm(x), lora)
+        return x
 
 
 class LlamaModel(nn.Module):

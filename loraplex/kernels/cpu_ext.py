@@ -1,6 +1,7 @@
 """The compiled CPU kernels, built once per machine, checkout and PyTorch version: the BGMV LoRA kernel
 (`csrc/bgmv_cpu.cpp`), the paged attention (`csrc/paged_attention_cpu.cpp`) and fp32 linears on
-prepacked weights (`csrc/packed_gemm_cpu.cpp`, MKL's packed GEMM), one library.
+prepacked weights (`csrc/packed_gemm_cpu.cpp`, MKL's packed GEMM) and RoPE in place
+(`csrc/rope_cpu.cpp`), one library.
 
 PyTorch's C++ extension loader compiles it with the machine's C++ compiler and ninja (about 20 s on
 a 2-core CPU) under `$TORCH_EXTENSIONS_DIR/loraplex` (default `~/.cache/torch_extensions/loraplex`);
@@ -37,7 +38,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "module.cpp", CSRC / "bgmv_cpu.cpp", CSRC / "paged_attention_cpu.cpp", CSRC / "packed_gemm_cpu.cpp"]
+SOURCES = [CSRC / "module.cpp", CSRC / "bgmv_cpu.cpp", CSRC / "paged_attention_cpu.cpp", CSRC / "packed_gemm_cpu.cpp",
+           CSRC / "rope_cpu.cpp"]
 CFLAGS = ("-O3", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
