@@ -33,7 +33,7 @@ from loraplex.engine.request import Request, RequestOutput, RequestStatus
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.kernels import attach_fused_shrink, pack_linears
-from loraplex.kernels.cpu_gemm import LM_HEAD_MAX_ROWS, MAX_ROWS
+from loraplex.kernels.cpu_gemm import LM_HEAD_MAX_ROWS, decoder_max_rows
 from loraplex.model_config import LORA_FUSED_GROUPS, ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,8 @@ class LLMEngine:
                 for linear, group in zip(linears, LORA_FUSED_GROUPS, strict=True):
                     attach_fused_shrink(linear, [buffers[m] for m in group])
         if self.device.type == "cpu":  # decode-sized GEMMs on weights packed once (kernels/cpu_gemm.py)
-            base = [(linear, MAX_ROWS) for layer in self.model.layers for linear in (
+            rows = decoder_max_rows()
+            base = [(linear, rows) for layer in self.model.layers for linear in (
                 layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
             pack_linears(base + [(self.model.lm_head, LM_HEAD_MAX_ROWS)])
         self.scheduler = Scheduler(self.config, self.block_manager, self.adapters, self.eos_token_ids,
