@@ -33,7 +33,7 @@ from loraplex.engine.request import Request, RequestOutput, RequestStatus
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.kernels import attach_fused_shrink, pack_linears
-from loraplex.kernels.cpu_gemm import LM_HEAD_MAX_ROWS, decoder_max_rows
+from loraplex.kernels.cpu_gemm import LM_HEAD_MAX_ROWS, available_memory_bytes, decoder_max_rows
 from loraplex.model_config import LORA_FUSED_GROUPS, ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -130,7 +130,9 @@ class LLMEngine:
             rows = decoder_max_rows()
             base = [(linear, rows) for layer in self.model.layers for linear in (
                 layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-            pack_linears(base + [(self.model.lm_head, LM_HEAD_MAX_ROWS)])
+            # the KV cache is allocated after this: its bytes are not there for the packed copies
+            pack_linears(base + [(self.model.lm_head, LM_HEAD_MAX_ROWS)],
+                         memory_bytes=max(0, available_memory_bytes() - num_blocks * block_bytes))
         self.scheduler = Scheduler(self.config, self.block_manager, self.adapters, self.eos_token_ids,
                                    self.model_config.max_model_len)
         self.runner = ModelRunner(self.model, self.block_manager, self.dtype, self.device)

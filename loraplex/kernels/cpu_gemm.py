@@ -19,6 +19,12 @@ its AVX2 kernels (`MKL_ENABLE_INSTRUCTIONS=AVX2`, as on a CPU without AVX-512) t
 close to the exact product as F.linear's (tested); for some shapes they are the same bits, for others
 MKL blocks K differently on the packed path.
 
+One buffer serving every M is what this MKL (PyTorch 2.13's) does, not something its documentation
+promises (PyTorch's own `mkl_linear` uses a buffer only for the M it was packed for), so the tests
+check several row counts against F.linear. Within one step, rows without an adapter go through the
+packed copy in a base-only step and through F.linear in a step whose adapters take the fused shrink, so
+their bits can depend on the step (to fp32 rounding, as with bf16 before).
+
 MKL's packed copy does not record its shape (the module's weight does) and takes about 8 MB plus
 1.3-2x the weight's bytes (for the default model: 1.9 GiB next to 0.5 GiB of weights), so packing
 happens only where it fits: at most `MEMORY_SHARE` of the memory the machine has available at load
@@ -87,15 +93,27 @@ def pack_linears(linears: list[tuple[nn.Linear, int]], *, memory_bytes: int | No
     for module, max_rows in linears:
         module.packed_weight = ext.packed_gemm_pack(module.weight.detach())
         module.packed_max_rows = max_rows
+        module.packed_of = _identity(module.weight)
     logger.info("packed %d base weights for MKL's GEMM (%.0f MiB)", len(linears), need / 2**20)
     return need
 
 
+def _identity(weight: torch.Tensor) -> tuple:
+    """What the packed copy was made from: the weight's storage, shape and dtype. (Not its version
+    counter: the fused LoRA shrink writes adapter rows next to the base rows in the same buffer, which
+    bumps the counter the base weight's view shares, without changing the base rows.)"""
+    return weight.data_ptr(), tuple(weight.shape), weight.dtype
+
+
 def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """module(x) for x [M, K] (-> [M, N]): on the packed copy when `pack_linears` gave `module` one and
-    2 <= M <= its row limit, else the module itself (`F.linear`)."""
+    2 <= M <= its row limit, else the module itself (`F.linear`). A weight re-bound or cast since packing
+    (its storage, shape or dtype changed) goes to `F.linear`, as does an x whose K is not the weight's
+    (F.linear raises for it): MKL's buffer records no shape of its own. Base weights are frozen; one
+    written in place after packing would not be seen."""
     packed = getattr(module, "packed_weight", None)
-    if packed is None or not 2 <= x.shape[0] <= module.packed_max_rows or x.dim() != 2:
+    if packed is None or x.dim() != 2 or not 2 <= x.shape[0] <= module.packed_max_rows \
+            or x.shape[1] != module.in_features or module.packed_of != _identity(module.weight):
         return module(x)
     return cpu_ext.load().packed_gemm_linear(x, packed, module.out_features, module.bias)
 

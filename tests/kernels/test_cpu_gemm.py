@@ -37,6 +37,29 @@ def test_packed_linear_is_as_exact_as_f_linear(rows, n, k, bias):
     assert got.shape == (rows, n) and got.dtype == torch.float32
 
 
+def test_one_row_with_a_bias_leaves_the_bias_alone():
+    lin = nn.Linear(16, 8)
+    bias = lin.bias.detach().clone()
+    packed = ext.packed_gemm_pack(lin.weight.detach())
+    x = torch.randn(1, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(ext.packed_gemm_linear(x, packed, 8, lin.bias), lin(x), rtol=0, atol=1e-5)
+    assert torch.equal(lin.bias.detach(), bias)
+
+
+def test_a_weight_rebound_or_cast_or_an_x_of_another_width_goes_to_f_linear():
+    gen = torch.Generator().manual_seed(3)
+    lin = nn.Linear(32, 24, bias=False)
+    assert cpu_gemm.pack_linears([(lin, 8)], memory_bytes=1 << 40)
+    lin.packed_weight = ext.packed_gemm_pack(torch.randn(24, 32, generator=gen))  # a stand-in: shows which path ran
+    x = torch.randn(4, 32, generator=gen)
+    assert not torch.allclose(cpu_gemm.linear(lin, x), lin(x))
+    lin.weight = nn.Parameter(lin.weight.detach().clone())  # re-bound (as load_state_dict(assign=True) does)
+    torch.testing.assert_close(cpu_gemm.linear(lin, x), lin(x), rtol=0, atol=0)
+    with pytest.raises(RuntimeError):
+        cpu_gemm.linear(lin, torch.randn(4, 16))  # F.linear's own shape error, not a silent wrong product
+
+
 def test_few_rows_and_strided_rows_agree_with_f_linear():
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(300, 64, generator=gen)
@@ -85,7 +108,11 @@ def test_nothing_is_packed_without_room_or_in_bf16(caplog):
 
 
 def test_the_engine_packs_its_base_linears_and_the_switch_turns_it_off(monkeypatch):
+    """(Available memory is stood in for: the packed copies of these shapes need about 2 GiB, which a
+    small runner may not have free; the refusal itself is tested above.)"""
     from loraplex.engine.llm_engine import LLMEngine
+
+    monkeypatch.setattr("loraplex.engine.llm_engine.available_memory_bytes", lambda: 1 << 40)
 
     engine = LLMEngine("smollm2-135m-shapes", load_format="dummy", dtype="float32", max_loras=1)
     layer = engine.model.layers[0]

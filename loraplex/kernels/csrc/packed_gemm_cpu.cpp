@@ -77,7 +77,8 @@ at::Tensor packed_gemm_linear(const at::Tensor& x, const at::Tensor& packed, int
   float beta = 0.0f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kFloat, "packed_gemm_linear: bias must be [N] fp32");
-    out = bias->reshape({1, n}).expand({m, n}).contiguous();
+    out = at::empty({m, n}, a.options());
+    out.copy_(bias->reshape({1, n}).expand({m, n}));  // a copy even at m = 1, where contiguous() is the bias
     beta = 1.0f;
   } else {
     out = at::empty({m, n}, a.options());

@@ -73,7 +73,7 @@ static inline float exp_nonpositive(float x) {
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n < -126.f ? -126.f : n) + 127) << 23;
+  const int32_t bits = (static_cast<int32_t>(!(n >= -126.f) ? -126.f : n) + 127) << 23;  // NaN: y is NaN anyway
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return x < -87.3f ? 0.f : y * scale;
@@ -195,11 +195,12 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
             block_tables.data_ptr<int64_t>(), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             block_tables.stride(0), bs, q.size(2), q.size(1) / nkv, float(scale)};
   const int64_t* tl = tiles.data_ptr<int64_t>();
-  // Every kv head of a tile in one work item where its queries fit the scratch (decodes: n = 1), else one
-  // kv head per item (prefill tiles, cut to kMaxQueries / G rows).
+  // Every kv head of a tile in one work item where its queries fit the scratch (decodes: n = 1) and there
+  // are at least as many tiles as threads, else one kv head per item (prefill tiles, cut to
+  // kMaxQueries / G rows; or a small batch on many threads, which would otherwise leave threads idle).
   int64_t widest = 1;
   for (int64_t i = 0; i < tiles.size(0); ++i) widest = std::max(widest, tl[4 * i + 1]);
-  const int64_t ng = widest * q.size(1) <= kMaxQueries ? nkv : 1;
+  const int64_t ng = widest * q.size(1) <= kMaxQueries && tiles.size(0) >= at::get_num_threads() ? nkv : 1;
   const int64_t per_tile = nkv / ng;
   const int64_t items = tiles.size(0) * per_tile;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
