@@ -15,9 +15,9 @@ default model's 30 layers of q/k/v, o, gate/up and down weights cold in cache (d
 
 so decoder linears take the packed path up to 256 rows and the lm_head up to 128. With MKL held to
 its AVX2 kernels (`MKL_ENABLE_INSTRUCTIONS=AVX2`, as on a CPU without AVX-512) the decoder linears gain
-1.4-1.7x at 2-32 rows and 1.12x at 64, and lose 2-3% at 100-256, so without AVX-512 they stop at 64. The results are as
-close to the exact product as F.linear's (tested); for some shapes they are the same bits, for others
-MKL blocks K differently on the packed path.
+1.4-1.7x at 2-32 rows and 1.12x at 64, and lose 2-3% at 100-256, so without AVX-512 they stop at 64.
+The results are as close to the exact product as F.linear's (tested); for some shapes they are the
+same bits, for others MKL blocks K differently on the packed path.
 
 One buffer serving every M is what this MKL (PyTorch 2.13's) does, not something its documentation
 promises (PyTorch's own `mkl_linear` uses a buffer only for the M it was packed for), so the tests
@@ -72,9 +72,10 @@ def decoder_max_rows() -> int:
 def pack_linears(linears: list[tuple[nn.Linear, int]], *, memory_bytes: int | None = None) -> int:
     """Attach a packed copy of each fp32 CPU weight (`linear.packed_weight`, with its row limit in
     `linear.packed_max_rows`) for `linear` to use. `linears`: (module, max rows) pairs. Returns the bytes
-    packed; 0 (and every module left as it was) when turned off, not fp32 on a CPU, when the compiled
-    library or MKL's packed GEMM is missing, or when the packed copies would take more than
-    `MEMORY_SHARE` of `memory_bytes` (default: the machine's available memory). Each case is logged."""
+    packed; 0 (and every module left as it was) when turned off, not fp32 on a CPU (the normal case of a
+    bf16 engine, not logged), when the compiled library or MKL's packed GEMM is missing, or when the
+    packed copies would take more than `MEMORY_SHARE` of `memory_bytes` (default: the machine's
+    available memory); those last three are logged."""
     if not enabled or not linears:
         return 0
     if any(m.weight.dtype != torch.float32 or m.weight.device.type != "cpu" for m, _ in linears):

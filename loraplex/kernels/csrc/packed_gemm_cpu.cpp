@@ -73,15 +73,12 @@ at::Tensor packed_gemm_linear(const at::Tensor& x, const at::Tensor& packed, int
   // with it (cpu_gemm.py); what is checked here is that MKL cannot read past its end.
   TORCH_CHECK(packed.numel() >= packed_gemm_bytes(n, k), "packed_gemm_linear: the buffer is too small for an [",
               n, ", ", k, "] weight");
-  at::Tensor out;
+  at::Tensor out = at::empty({m, n}, a.options());
   float beta = 0.0f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kFloat, "packed_gemm_linear: bias must be [N] fp32");
-    out = at::empty({m, n}, a.options());
     out.copy_(bias->reshape({1, n}).expand({m, n}));  // a copy even at m = 1, where contiguous() is the bias
     beta = 1.0f;
-  } else {
-    out = at::empty({m, n}, a.options());
   }
   if (m == 0) return out;
   cblas_sgemm_compute(kRowMajor, kNoTrans, kPacked, m, static_cast<int>(n), k, a.data_ptr<float>(),

@@ -60,8 +60,9 @@ struct Args {
 
 // exp(x) for x <= 0 (a score minus its running max), vectorizable: Cephes' expf (range reduction by
 // ln 2 in two parts, a degree-5 polynomial on [-ln2/2, ln2/2], 2^n built in the exponent bits), within
-// 1 ulp of exp on [-87, 0] (checked against fp64); 0 below -87.3 (2^-126), NaN stays NaN. The loops that call it run
-// through `#pragma omp simd`, where a call to std::exp would stay one scalar call per element.
+// 1 ulp of exp on [-87, 0] (checked against fp64); 0 below -87.3 (2^-126), NaN stays NaN. The loops
+// that call it run through `#pragma omp simd`, where a call to std::exp would stay one scalar call per
+// element.
 static inline float exp_nonpositive(float x) {
   const float t = x * 1.44269504088896341f;
   const float n = (t + 12582912.f) - 12582912.f;  // round to nearest: 1.5 x 2^23 drops the fraction
@@ -83,13 +84,12 @@ static inline float exp_nonpositive(float x) {
 // kv head of a decode in one work item reads each block of the cache front to back once (its slots hold
 // all heads side by side), where one head per item read a third of every slot and skipped the rest;
 // the next block is prefetched while this one is used (blocks are scattered, so the hardware's
-// prefetcher, which stops at page ends, does not find it). kD: the head dim when known at compile time
-// (64, 128: the loops over it unroll into whole vector registers), else 0 (a.D).
+// prefetcher, which stops at page ends, does not find it).
 // scratch: kScratch floats, one buffer per thread; ng x n x G <= kMaxQueries.
-template <typename T, int64_t kD>
+template <typename T>
 LORAPLEX_CLONES void attend(const Args<T>& a, int64_t row0, int64_t n, int64_t seq, int64_t ctx0, int64_t g0,
                             int64_t ng, float* scratch) {
-  const int64_t D = kD ? kD : a.D, G = a.G, M = n * G, bs = a.bs;
+  const int64_t D = a.D, G = a.G, M = n * G, bs = a.bs;
   float* qf = scratch;                // [ng, M, D] the queries, scaled
   float* acc = qf + kMaxQueries * D;  // [ng, M, D] running sum of p V
   float* kf = acc + kMaxQueries * D;  // [bs, D] one block of one head's K, widened (not fp32 caches)
@@ -208,9 +208,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
     for (int64_t w = begin; w < end; ++w) {
       const int64_t* t = tl + (w / per_tile) * 4;
       const int64_t g0 = (w % per_tile) * ng;
-      if (a.D == 64) attend<T, 64>(a, t[0], t[1], t[2], t[3], g0, ng, scratch.data());
-      else if (a.D == 128) attend<T, 128>(a, t[0], t[1], t[2], t[3], g0, ng, scratch.data());
-      else attend<T, 0>(a, t[0], t[1], t[2], t[3], g0, ng, scratch.data());
+      attend<T>(a, t[0], t[1], t[2], t[3], g0, ng, scratch.data());
     }
   });
 }
