@@ -34,7 +34,7 @@ from loraplex.engine.request import Request, RequestOutput, RequestStatus
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.kernels import attach_fused_shrink, pack_linears
-from loraplex.kernels.cpu_gemm import LM_HEAD_MAX_ROWS, available_memory_bytes, decoder_max_rows
+from loraplex.kernels.cpu_gemm import available_memory_bytes
 from loraplex.model_config import LORA_FUSED_GROUPS, ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -130,9 +130,8 @@ class LLMEngine:
                 for linear, group in zip(linears, LORA_FUSED_GROUPS, strict=True):
                     attach_fused_shrink(linear, [buffers[m] for m in group])
         if self.device.type == "cpu":  # decode-sized GEMMs on weights packed once (kernels/cpu_gemm.py)
-            rows = decoder_max_rows()
             # the KV cache is allocated after this: its bytes are not there for the packed copies
-            pack_linears([(linear, rows) for linear in base] + [(self.model.lm_head, LM_HEAD_MAX_ROWS)],
+            pack_linears([(linear, "decoder") for linear in base] + [(self.model.lm_head, "lm_head")],
                          memory_bytes=max(0, available_memory_bytes() - num_blocks * block_bytes))
         self.scheduler = Scheduler(self.config, self.block_manager, self.adapters, self.eos_token_ids,
                                    self.model_config.max_model_len)

@@ -1,35 +1,36 @@
-"""fp32 base linears on weights packed once for MKL's GEMM (`csrc/packed_gemm_cpu.cpp`).
+"""Base linears on weights packed once: oneDNN's (the default) or MKL's (`csrc/packed_gemm_cpu.cpp`).
 
 Letters: M rows of a call, K in features, N out features.
 
-An sgemm on a plain [N, K] weight repacks that weight into the kernel's blocked layout on every call;
-at decode batch sizes that repacking is a large share of the call. `pack_linears` packs each base weight
-once (MKL's `cblas_sgemm_pack`), and `linear` runs the calls of 2..`max_rows` rows on the packed copy
-(`cblas_sgemm_compute`), the rest through `F.linear`. vLLM's CPU backend prepacks its linear weights for
-the same reason (oneDNN's `onednn_mm`). Measured on a 2-core AVX-512 Xeon, fp32, one thread, the
-default model's 30 layers of q/k/v, o, gate/up and down weights cold in cache (docs/performance.md):
+A GEMM on a plain [N, K] weight repacks that weight into the kernel's blocked layout on every call; at
+decode batch sizes that repacking is a large share of the call. `pack_linears` packs each base weight
+once and `linear` runs the calls in its row range on the packed copy, the rest through `F.linear`.
+vLLM's CPU backend does the same with oneDNN (`onednn_mm` on a weight reordered at load time). Two
+backends, chosen by `LORAPLEX_PACKED_GEMM` (`onednn`, the default; `mkl`; `0` turns packing off):
 
-    rows               1     8     16    32    64        128        256       512
-    packed / F.linear  1.0x  1.5x  1.5x  1.5x  1.3-1.4x  0.9-1.25x  1.1-1.2x  0.9-1.07x
-    lm_head (49152 x 576): 1.1x at 1 row, 1.55x at 4-64, 1.16x at 128, 0.96x from 192
+- **onednn**: the weight reordered once (`torch.ops.mkldnn._reorder_linear_weight`, laid out for
+  M = 64) and each call through `torch.ops.mkldnn._linear_pointwise`, the pair PyTorch's inductor uses
+  for a frozen linear; fp32 and bf16; one copy of the weight's bytes. On a 2-core AMD EPYC (Zen 5,
+  AVX-512), one thread, where PyTorch's MKL sgemm runs its AVX2 code: fp32 at 8-512 rows 1.8-2.6x
+  F.linear (about 190 GFLOP/s against 80), the lm_head 2-3x; at 1-2 rows the small decoder weights
+  lose (15-20 against 21-23 GFLOP/s), so fp32 decoder linears start at 2 rows; bf16 1.3-2x at 1-32
+  rows, even from 128 (docs/performance.md).
+- **mkl** (fp32 only): MKL's `cblas_sgemm_pack` / `cblas_sgemm_compute`. On a 2-core AVX-512 Xeon:
+  1.5x F.linear at 8-32 rows, 1.3-1.4x at 64, 1.1-1.2x at 256, none at 512; so decoder linears take it
+  from 2 to 256 rows (64 without AVX-512, where MKL's AVX2 kernels lose 2-3% at 100-256) and the
+  lm_head to 128. Its buffer takes about 8 MB plus 1.3-2x the weight's bytes. One buffer serving every
+  M is what this MKL (PyTorch 2.13's) does, not something its documentation promises (PyTorch's own
+  `mkl_linear` uses a buffer only for the M it was packed for), so the tests check several row counts.
 
-so decoder linears take the packed path up to 256 rows and the lm_head up to 128. With MKL held to
-its AVX2 kernels (`MKL_ENABLE_INSTRUCTIONS=AVX2`, as on a CPU without AVX-512) the decoder linears gain
-1.4-1.7x at 2-32 rows and 1.12x at 64, and lose 2-3% at 100-256, so without AVX-512 they stop at 64.
-The results are as close to the exact product as F.linear's (tested); for some shapes they are the
-same bits, for others MKL blocks K differently on the packed path.
+Either result is as close to the exact product as F.linear's (tested), not always the same bits.
+Within one step, rows without an adapter go through the packed copy in a base-only step and, with the
+mkl backend, through F.linear in a step whose adapters take the fused shrink, so their bits can depend
+on the step (to fp32 rounding, as with bf16 before). With the onednn backend an adapter step runs its
+base GEMM on the packed copy too and only the shrink rows through F.linear (`cpu_packed.fused_linear`).
 
-One buffer serving every M is what this MKL (PyTorch 2.13's) does, not something its documentation
-promises (PyTorch's own `mkl_linear` uses a buffer only for the M it was packed for), so the tests
-check several row counts against F.linear. Within one step, rows without an adapter go through the
-packed copy in a base-only step and through F.linear in a step whose adapters take the fused shrink, so
-their bits can depend on the step (to fp32 rounding, as with bf16 before).
-
-MKL's packed copy does not record its shape (the module's weight does) and takes about 8 MB plus
-1.3-2x the weight's bytes (for the default model: 1.9 GiB next to 0.5 GiB of weights), so packing
-happens only where it fits: at most `MEMORY_SHARE` of the memory the machine has available at load
-time; otherwise the engine logs that it runs without and uses F.linear throughout. fp32 only (bf16
-GEMMs go to oneDNN's AMX/AVX-512 kernels through F.linear). `LORAPLEX_PACKED_GEMM=0` turns it off.
+Packing happens only where it fits: at most `MEMORY_SHARE` of the memory the machine has available at
+load time; otherwise the engine logs that it runs without and uses F.linear throughout. A packed copy
+does not see a base weight written in place after packing (base weights are frozen).
 """
 
 from __future__ import annotations
@@ -44,11 +45,29 @@ from loraplex.kernels import cpu_ext
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = 256  # decoder linears: packed from 2 to this many rows (AVX-512)
+MAX_ROWS = 256  # mkl backend, decoder linears: packed from 2 to this many rows (AVX-512)
 MAX_ROWS_AVX2 = 64  # the same without AVX-512
-LM_HEAD_MAX_ROWS = 128
+LM_HEAD_MAX_ROWS = 128  # mkl backend, the lm_head
+ONEDNN_LAYOUT_ROWS = 64  # the M oneDNN lays a reordered weight out for (it serves every M)
+NO_LIMIT = 1 << 62
 MEMORY_SHARE = 0.25  # of MemAvailable at load time
-enabled = os.environ.get("LORAPLEX_PACKED_GEMM", "1") != "0"
+BACKENDS = ("onednn", "mkl")
+
+
+def backend_from_env() -> str | None:
+    """The backend `LORAPLEX_PACKED_GEMM` names: "onednn" (the default; "1" too), "mkl", or None ("0":
+    no packing). Raises ValueError for anything else."""
+    value = os.environ.get("LORAPLEX_PACKED_GEMM", "onednn").strip().lower()
+    if value in ("0", "off", "none"):
+        return None
+    if value in ("", "1"):
+        return "onednn"
+    if value not in BACKENDS:
+        raise ValueError(f"LORAPLEX_PACKED_GEMM={value!r}: expected one of {', '.join(BACKENDS)} or 0")
+    return value
+
+
+backend = backend_from_env()
 
 
 def available_memory_bytes() -> int:
@@ -64,38 +83,91 @@ def available_memory_bytes() -> int:
 
 
 def decoder_max_rows() -> int:
-    """The row limit for decoder linears on this CPU: MAX_ROWS with AVX-512, else MAX_ROWS_AVX2."""
+    """The mkl backend's row limit for decoder linears on this CPU: MAX_ROWS with AVX-512, else
+    MAX_ROWS_AVX2."""
     ext = cpu_ext.load()
     return MAX_ROWS if ext is not None and ext.avx512_available() else MAX_ROWS_AVX2
 
 
-def pack_linears(linears: list[tuple[nn.Linear, int]], *, memory_bytes: int | None = None) -> int:
-    """Attach a packed copy of each fp32 CPU weight (`linear.packed_weight`, with its row limit in
-    `linear.packed_max_rows`) for `linear` to use. `linears`: (module, max rows) pairs. Returns the bytes
-    packed; 0 (and every module left as it was) when turned off, not fp32 on a CPU (the normal case of a
-    bf16 engine, not logged), when the compiled library or MKL's packed GEMM is missing, or when the
-    packed copies would take more than `MEMORY_SHARE` of `memory_bytes` (default: the machine's
-    available memory); those last three are logged."""
-    if not enabled or not linears:
+def row_range(name: str, kind: str, dtype: torch.dtype) -> tuple[int, int]:
+    """(min, max) rows of a call that take the packed copy, for backend `name`, a linear of `kind`
+    ("decoder" or "lm_head") and `dtype` (the measurements are in the module docstring)."""
+    if name == "onednn":
+        return (2 if kind == "decoder" and dtype == torch.float32 else 1), NO_LIMIT
+    return 2, (decoder_max_rows() if kind == "decoder" else LM_HEAD_MAX_ROWS)
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def _refusal(name: str, dtype: torch.dtype) -> str | None:
+    """Why backend `name` cannot pack weights of `dtype` here (None: it can)."""
+    if name == "mkl":
+        if dtype != torch.float32:
+            return ""  # bf16 with the mkl backend: F.linear's oneDNN kernels, the normal case, not logged
+        ext = cpu_ext.load()
+        if ext is None:
+            return "the CPU kernels are not built"
+        return None if ext.packed_gemm_available() else "this PyTorch's MKL has no packed GEMM"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return ""
+    return None if _onednn_available() else "this PyTorch has no oneDNN (mkldnn) linear"
+
+
+def _pack(name: str, weight: torch.Tensor) -> torch.Tensor:
+    if name == "onednn":
+        return torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_LAYOUT_ROWS)
+    return cpu_ext.load().packed_gemm_pack(weight)
+
+
+def _packed_bytes(name: str, weight: torch.Tensor) -> int:
+    if name == "onednn":
+        return weight.numel() * weight.element_size()
+    return cpu_ext.load().packed_gemm_bytes(*weight.shape)
+
+
+def pack_linears(linears: list[tuple[nn.Linear, str]], *, memory_bytes: int | None = None,
+                 name: str | None = None) -> int:
+    """Attach a packed copy of each CPU weight (`linear.packed_weight`, with `packed_rows`, the (min, max)
+    rows that take it, and `packed_backend`) for `linear` to use. `linears`: (module, kind) pairs, kind
+    "decoder" or "lm_head". `name`: the backend, default `backend` (from `LORAPLEX_PACKED_GEMM`).
+    Returns the bytes packed; 0 (and every module left as it was) when turned off, for a dtype the
+    backend does not pack (mkl: all but fp32, the normal case of a bf16 engine, not logged), when the
+    backend is missing from this build, when packing raises, or when the packed copies would take more
+    than `MEMORY_SHARE` of `memory_bytes` (default: the machine's available memory); those last three
+    are logged."""
+    name = backend if name is None else name
+    if name is None or not linears:
         return 0
-    if any(m.weight.dtype != torch.float32 or m.weight.device.type != "cpu" for m, _ in linears):
+    dtypes = {m.weight.dtype for m, _ in linears}
+    if len(dtypes) != 1 or any(m.weight.device.type != "cpu" for m, _ in linears):
         return 0
-    ext = cpu_ext.load()
-    if ext is None or not ext.packed_gemm_available():
-        logger.info("base linears use F.linear: %s", "the CPU kernels are not built" if ext is None
-                    else "this PyTorch's MKL has no packed GEMM")
+    dtype = dtypes.pop()
+    why = _refusal(name, dtype)
+    if why is not None:
+        if why:
+            logger.info("base linears use F.linear: %s", why)
         return 0
-    need = sum(ext.packed_gemm_bytes(*m.weight.shape) for m, _ in linears)
+    need = sum(_packed_bytes(name, m.weight) for m, _ in linears)
     have = available_memory_bytes() if memory_bytes is None else memory_bytes
     if need > MEMORY_SHARE * have:
-        logger.warning("base linears use F.linear, not weights packed for MKL: the packed copies need %.0f MiB, "
-                       "more than %d%% of the %.0f MiB available", need / 2**20, MEMORY_SHARE * 100, have / 2**20)
+        logger.warning("base linears use F.linear, not weights packed for %s: the packed copies need %.0f MiB, "
+                       "more than %d%% of the %.0f MiB available", name, need / 2**20, MEMORY_SHARE * 100,
+                       have / 2**20)
         return 0
-    for module, max_rows in linears:
-        module.packed_weight = ext.packed_gemm_pack(module.weight.detach())
-        module.packed_max_rows = max_rows
+    try:
+        packed = [_pack(name, m.weight.detach()) for m, _ in linears]
+    except RuntimeError as exc:  # a oneDNN without a kernel for this shape or ISA
+        logger.warning("base linears use F.linear: packing for %s failed (%s)", name, exc)
+        return 0
+    for (module, kind), weight in zip(linears, packed, strict=True):
+        module.packed_weight = weight
+        module.packed_rows = row_range(name, kind, dtype)
+        module.packed_backend = name
         module.packed_of = _identity(module.weight)
-    logger.info("packed %d base weights for MKL's GEMM (%.0f MiB)", len(linears), need / 2**20)
+    logger.info("packed %d base weights for %s (%s, %.0f MiB)", len(linears), name, str(dtype).removeprefix("torch."),
+                need / 2**20)
     return need
 
 
@@ -106,15 +178,22 @@ def _identity(weight: torch.Tensor) -> tuple:
     return weight.data_ptr(), tuple(weight.shape), weight.dtype
 
 
-def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """module(x) for x [M, K] (-> [M, N]): on the packed copy when `pack_linears` gave `module` one and
-    2 <= M <= its row limit, else the module itself (`F.linear`). A weight re-bound or cast since packing
-    (its storage, shape or dtype changed) goes to `F.linear`, as does an x whose K is not the weight's
-    (F.linear raises for it): MKL's buffer records no shape of its own. Base weights are frozen; one
-    written in place after packing would not be seen."""
-    packed = getattr(module, "packed_weight", None)
-    if packed is None or x.dim() != 2 or not 2 <= x.shape[0] <= module.packed_max_rows \
-            or x.shape[1] != module.in_features or module.packed_of != _identity(module.weight):
-        return module(x)
-    return cpu_ext.load().packed_gemm_linear(x, packed, module.out_features, module.bias)
+def takes_packed(module: nn.Linear, x: torch.Tensor) -> bool:
+    """Whether `linear(module, x)` runs on the packed copy: `pack_linears` gave `module` one, x is
+    [M, K] in the weight's dtype with M in its row range and K the weight's, and the weight is the one
+    packed (its storage, shape and dtype unchanged: a weight re-bound or cast since packing is not)."""
+    packed_rows = getattr(module, "packed_rows", None)
+    return (packed_rows is not None and x.dim() == 2 and packed_rows[0] <= x.shape[0] <= packed_rows[1]
+            and x.shape[1] == module.in_features and x.dtype == module.weight.dtype
+            and module.packed_of == _identity(module.weight))
 
+
+def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """module(x) for x [M, K] (-> [M, N]): on the packed copy where `takes_packed`, else the module
+    itself (`F.linear`, which also raises for an x of another width: neither packed copy records its
+    shape). Base weights are frozen; one written in place after packing would not be seen."""
+    if not takes_packed(module, x):
+        return module(x)
+    if module.packed_backend == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, module.packed_weight, module.bias, "none", [], "")
+    return cpu_ext.load().packed_gemm_linear(x, module.packed_weight, module.out_features, module.bias)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraplex.kernels import cpu_gemm
 from loraplex.kernels.metadata import LoRAMeta
 from loraplex.kernels.weights import LoRAWeights
 
@@ -288,5 +289,11 @@ def fused_linear(x: torch.Tensor, linear: nn.Linear, slices: Sequence[LoRAWeight
                            "assign=True, .to(dtype)?): it no longer shares the buffer with the shrink rows")
     fill_fused_rows(fs, slices, layout)
     n = fs.out + layout["cols"]
+    if getattr(linear, "packed_backend", None) == "onednn" and cpu_gemm.takes_packed(linear, x):
+        # oneDNN's packed base GEMM beats the fused F.linear by more than the separate shrink costs
+        # (kernels/cpu_gemm.py); the shrink rows have no bias (FusedShrink zeroes it)
+        y = cpu_gemm.linear(linear, x)  # [T, H_out]
+        v = F.linear(x, fs.weight[fs.out:n])  # [T, E]
+        return add_lora_fused_packed(y, v, slices, meta, layout, fs)
     y_ext = F.linear(x, fs.weight[:n], None if fs.bias is None else fs.bias[:n])  # [T, H_out + E]
     return add_lora_fused_packed(y_ext[:, :fs.out], y_ext[:, fs.out:], slices, meta, layout, fs)

@@ -1,5 +1,6 @@
-"""fp32 linears on weights packed for MKL (`kernels/cpu_gemm.py`): as close to the fp64 product as
-F.linear is, the row range that takes the packed copy, and the cases where nothing is packed."""
+"""Base linears on packed weights (`kernels/cpu_gemm.py`), both backends (oneDNN's reordered weights,
+MKL's packed GEMM): as close to the fp64 product as F.linear is, the row range that takes the packed
+copy, and the cases where nothing is packed."""
 
 from __future__ import annotations
 
@@ -11,8 +12,45 @@ from torch import nn
 from loraplex.kernels import cpu_ext, cpu_gemm
 
 ext = cpu_ext.load()
-pytestmark = pytest.mark.skipif(ext is None or not ext.packed_gemm_available(),
-                                reason="the CPU kernels are not built, or this PyTorch has no MKL packed GEMM")
+pytestmark = pytest.mark.skipif(ext is None or not ext.packed_gemm_available() or not torch.backends.mkldnn.is_available(),
+                                reason="the CPU kernels are not built, or this PyTorch has no MKL packed GEMM or oneDNN")
+
+
+def _pack(name: str, weight: torch.Tensor) -> torch.Tensor:
+    return cpu_gemm._pack(name, weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 16, 64, 100, 512])
+@pytest.mark.parametrize(("n", "k", "bias"), [(960, 576, False), (576, 1536, False), (48, 40, True)])
+def test_onednn_linear_is_within_the_rounding_bound(dtype, rows, n, k, bias):
+    """Against the product in fp64, element by element, within the bound of a K-term fp32 dot product in
+    any order, gamma_K x sum |x_i w_i| with gamma_K = K u / (1 - K u), u = 2^-24 (Higham, Accuracy and
+    Stability of Numerical Algorithms, 2nd ed., section 3.1), plus half a bf16 ulp of the result for a
+    bf16 output. (oneDNN sums K in another order than MKL: measured 1-4x F.linear's largest error here.)"""
+    gen = torch.Generator().manual_seed(rows + n)
+    lin = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=gen) / k**0.5)
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=gen))
+    lin = lin.to(dtype)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    assert cpu_gemm.pack_linears([(lin, "lm_head")], memory_bytes=1 << 40, name="onednn") == n * k * lin.weight.element_size()
+    assert cpu_gemm.takes_packed(lin, x) and lin.packed_rows == (1, cpu_gemm.NO_LIMIT)
+    with torch.no_grad():
+        got = cpu_gemm.linear(lin, x)
+        ours = F.linear(x, lin.weight, lin.bias)
+        exact = F.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
+        magnitude = F.linear(x.double().abs(), lin.weight.double().abs(),
+                             None if lin.bias is None else lin.bias.double().abs())
+    u = 2.0**-24
+    bound = (k + 1) * u / (1 - (k + 1) * u) * magnitude  # K products and the bias
+    if dtype == torch.bfloat16:
+        bound += 2.0**-8 * exact.abs()  # u of bf16
+    assert ((got.double() - exact).abs() <= bound).all()
+    assert ((ours.double() - exact).abs() <= bound).all()  # the bound holds for F.linear too
+    assert got.shape == (rows, n) and got.dtype == dtype
 
 
 @pytest.mark.parametrize("rows", [16, 64, 100, 256])
@@ -47,11 +85,12 @@ def test_one_row_with_a_bias_leaves_the_bias_alone():
     assert torch.equal(lin.bias.detach(), bias)
 
 
-def test_a_weight_rebound_or_cast_or_an_x_of_another_width_goes_to_f_linear():
+@pytest.mark.parametrize("name", cpu_gemm.BACKENDS)
+def test_a_weight_rebound_or_cast_or_an_x_of_another_width_goes_to_f_linear(name):
     gen = torch.Generator().manual_seed(3)
     lin = nn.Linear(32, 24, bias=False)
-    assert cpu_gemm.pack_linears([(lin, 8)], memory_bytes=1 << 40)
-    lin.packed_weight = ext.packed_gemm_pack(torch.randn(24, 32, generator=gen))  # a stand-in: shows which path ran
+    assert cpu_gemm.pack_linears([(lin, "decoder")], memory_bytes=1 << 40, name=name)
+    lin.packed_weight = _pack(name, torch.randn(24, 32, generator=gen))  # a stand-in: shows which path ran
     x = torch.randn(4, 32, generator=gen)
     assert not torch.allclose(cpu_gemm.linear(lin, x), lin(x))
     lin.weight = nn.Parameter(lin.weight.detach().clone())  # re-bound (as load_state_dict(assign=True) does)
@@ -83,42 +122,77 @@ def test_a_buffer_of_another_shape_or_dtype_is_refused():
         ext.packed_gemm_pack(torch.randn(32, 16, dtype=torch.float64))
 
 
-def test_linear_takes_the_packed_copy_only_in_its_row_range():
+@pytest.mark.parametrize("name", cpu_gemm.BACKENDS)
+def test_linear_takes_the_packed_copy_only_in_its_row_range(name):
     """The packed copy here is of another weight, so each result shows which path ran."""
     gen = torch.Generator().manual_seed(2)
     lin = nn.Linear(32, 24, bias=False)
     other = torch.randn(24, 32, generator=gen)
-    assert cpu_gemm.pack_linears([(lin, 8)], memory_bytes=1 << 40) == ext.packed_gemm_bytes(24, 32)
-    lin.packed_weight = ext.packed_gemm_pack(other)
+    bytes_ = 24 * 32 * 4 if name == "onednn" else ext.packed_gemm_bytes(24, 32)
+    assert cpu_gemm.pack_linears([(lin, "decoder")], memory_bytes=1 << 40, name=name) == bytes_
+    assert lin.packed_rows == cpu_gemm.row_range(name, "decoder", torch.float32)
+    lin.packed_weight = _pack(name, other)
+    lin.packed_rows = (2, 8)
     for rows, weight in ((1, lin.weight), (2, other), (8, other), (9, lin.weight)):
         x = torch.randn(rows, 32, generator=gen)
         torch.testing.assert_close(cpu_gemm.linear(lin, x), F.linear(x, weight), rtol=0, atol=1e-5)
 
 
-def test_nothing_is_packed_without_room_or_in_bf16(caplog):
+def test_row_ranges():
+    assert cpu_gemm.row_range("onednn", "decoder", torch.float32) == (2, cpu_gemm.NO_LIMIT)
+    assert cpu_gemm.row_range("onednn", "decoder", torch.bfloat16) == (1, cpu_gemm.NO_LIMIT)
+    assert cpu_gemm.row_range("onednn", "lm_head", torch.float32) == (1, cpu_gemm.NO_LIMIT)
+    assert cpu_gemm.row_range("mkl", "decoder", torch.float32) == (2, 256 if ext.avx512_available() else 64)
+    assert cpu_gemm.row_range("mkl", "lm_head", torch.float32) == (2, cpu_gemm.LM_HEAD_MAX_ROWS)
+
+
+@pytest.mark.parametrize(("value", "want"), [(None, "onednn"), ("1", "onednn"), ("mkl", "mkl"), ("ONEDNN", "onednn"),
+                                             ("0", None)])
+def test_the_backend_comes_from_the_environment(monkeypatch, value, want):
+    if value is None:
+        monkeypatch.delenv("LORAPLEX_PACKED_GEMM", raising=False)
+    else:
+        monkeypatch.setenv("LORAPLEX_PACKED_GEMM", value)
+    assert cpu_gemm.backend_from_env() == want
+
+
+def test_an_unknown_backend_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("LORAPLEX_PACKED_GEMM", "openblas")
+    with pytest.raises(ValueError, match="LORAPLEX_PACKED_GEMM='openblas': expected one of onednn, mkl or 0"):
+        cpu_gemm.backend_from_env()
+
+
+@pytest.mark.parametrize("name", cpu_gemm.BACKENDS)
+def test_nothing_is_packed_without_room(caplog, name):
     lin = nn.Linear(64, 64, bias=False)
-    assert cpu_gemm.pack_linears([(lin, 256)], memory_bytes=ext.packed_gemm_bytes(64, 64)) == 0
+    assert cpu_gemm.pack_linears([(lin, "decoder")], memory_bytes=64 * 64 * 4, name=name) == 0
     assert not hasattr(lin, "packed_weight")
-    assert "base linears use F.linear" in caplog.text and "more than 25% of" in caplog.text
+    assert f"not weights packed for {name}" in caplog.text and "more than 25% of" in caplog.text
+
+
+def test_bf16_is_packed_by_onednn_only():
     half = nn.Linear(64, 64, bias=False).to(torch.bfloat16)
-    assert cpu_gemm.pack_linears([(half, 256)], memory_bytes=1 << 40) == 0
+    assert cpu_gemm.pack_linears([(half, "decoder")], memory_bytes=1 << 40, name="mkl") == 0
     assert not hasattr(half, "packed_weight")
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     assert torch.equal(cpu_gemm.linear(half, x), half(x))
+    assert cpu_gemm.pack_linears([(half, "decoder")], memory_bytes=1 << 40, name="onednn") == 64 * 64 * 2
+    assert cpu_gemm.takes_packed(half, x) and not cpu_gemm.takes_packed(half, x.float())
 
 
 def test_the_engine_packs_its_base_linears_and_the_switch_turns_it_off(monkeypatch):
-    """(Available memory is stood in for: the packed copies of these shapes need about 2 GiB, which a
+    """(Available memory is stood in for: the packed copies of these shapes need 0.5-2 GiB, which a
     small runner may not have free; the refusal itself is tested above.)"""
     from loraplex.engine.llm_engine import LLMEngine
 
     monkeypatch.setattr("loraplex.engine.llm_engine.available_memory_bytes", lambda: 1 << 40)
-
-    engine = LLMEngine("smollm2-135m-shapes", load_format="dummy", dtype="float32", max_loras=1)
-    layer = engine.model.layers[0]
-    for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-        assert lin.packed_max_rows == (256 if ext.avx512_available() else 64) and lin.packed_weight.dtype == torch.uint8
-    assert engine.model.lm_head.packed_max_rows == cpu_gemm.LM_HEAD_MAX_ROWS
-    monkeypatch.setattr(cpu_gemm, "enabled", False)
+    for name in cpu_gemm.BACKENDS:
+        monkeypatch.setattr(cpu_gemm, "backend", name)
+        engine = LLMEngine("smollm2-135m-shapes", load_format="dummy", dtype="float32", max_loras=1)
+        layer = engine.model.layers[0]
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert lin.packed_backend == name and lin.packed_rows == cpu_gemm.row_range(name, "decoder", torch.float32)
+        assert engine.model.lm_head.packed_rows == cpu_gemm.row_range(name, "lm_head", torch.float32)
+    monkeypatch.setattr(cpu_gemm, "backend", None)
     off = LLMEngine("smollm2-135m-shapes", load_format="dummy", dtype="float32", max_loras=1)
     assert not hasattr(off.model.layers[0].self_attn.qkv_proj, "packed_weight")

@@ -117,3 +117,20 @@ def test_a_weight_rebound_after_the_attach_is_refused():
     linear.load_state_dict({k: v.clone() for k, v in linear.state_dict().items()}, assign=True)
     with pytest.raises(RuntimeError, match="re-bound after attach_fused_shrink"):
         lora_linear(case.x, linear, case.slices, case.meta)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [7, 24])
+def test_fused_shrink_over_a_onednn_packed_base(dtype, num_tokens):
+    """With the base weight packed for oneDNN the base GEMM runs on the packed copy and the shrink rows
+    apart (`cpu_gemm`): the same values to rounding."""
+    from loraplex.kernels import cpu_gemm
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this PyTorch has no oneDNN")
+    case, linear, base = _fused_case(num_tokens, "uniform", 3, dtype, 8, seed=11)
+    assert cpu_gemm.pack_linears([(linear, "decoder")], memory_bytes=1 << 40, name="onednn")
+    assert cpu_gemm.takes_packed(linear, case.x)
+    out = lora_linear(case.x, linear, case.slices, case.meta)
+    assert fused_shrink_of(linear).key is not None
+    assert_matches(out, case, base)
