@@ -16,10 +16,11 @@ attention: query row i of a request with c tokens computed before this step atte
 0 .. c + i).
 
 On the CPU the decodes go to the compiled kernel (`kernels/csrc/paged_attention_cpu.cpp`), which reads
-K/V in place through the block table, in fp32, one request and kv head per work item: no gather, no
-padded copy, no mask (its semantics cover tiles of prefill rows too, tested, for a future GPU kernel of
-the same shape). Prefill chunks go to `_prefill_matmul`: their products are GEMM-sized, and MKL's GEMMs
-beat a per-row loop there. Elsewhere,
+K/V in place through the block table, in fp32: no gather, no padded copy, no mask (its semantics cover
+tiles of prefill rows too, tested, for a future GPU kernel of the same shape). A decode row runs its
+vector loop (`paged_decode_cpu.cpp`: 16 keys per vector, every query head of a kv head per K/V row
+read). Prefill chunks go to `_prefill_matmul`: their products are GEMM-sized, and a GEMM library beats
+a per-row loop there (oneDNN's for large fp32 chunks, `_prefill_onednn`; MKL's through bmm). Elsewhere,
 or where the kernel could not be built (`kernels/cpu_ext.py` logs why), the PyTorch path gathers each
 request's context and calls `scaled_dot_product_attention` with a mask; the two agree to fp32
 rounding, which the tests check. The gather reads a request's position 0 for the masked positions past
@@ -36,9 +37,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from loraplex.kernels import cpu_ext
+from loraplex.kernels import cpu_ext, cpu_gemm
 
 MAX_QUERIES_PER_TILE = 256  # n x G queries of one work item (kMaxQueries in the kernel)
+# fp32 prefill chunks with at least this many scores per head (rows x context) take oneDNN's matmuls;
+# smaller ones lose to the per-call overhead (0.4x at 32 fresh tokens, 1.03x at 144; docs/performance.md)
+ONEDNN_MIN_SCORES = 128 * 128
 ROWS_PER_TILE = 16  # prefill rows a work item takes: 16 x G queries share each block of K/V read
 
 
@@ -167,6 +171,10 @@ def _prefill_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty_like(q)
     per_tile = max(1, min(128, (16 << 20) // (nh * context)))
     qf = q.float()
+    if (q.dtype == torch.float32 and L * context >= ONEDNN_MIN_SCORES and cpu_gemm.backend == "onednn"
+            and torch.backends.mkldnn.is_available()):
+        _prefill_onednn(qf, kh, vh, out, p.num_computed, per_tile)
+        return out
     for i0 in range(0, L, per_tile):
         n = min(per_tile, L - i0)
         keys = p.num_computed + i0 + n  # the tile's last row sees keys 0 .. keys-1; row r sees keys-n+r
@@ -177,6 +185,34 @@ def _prefill_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         o = torch.bmm(s.softmax(-1), vh[:, :keys])  # [nKV, n G, D]
         out[i0:i0 + n].view(n, nkv, g, d).transpose(0, 1).copy_(o.view(nkv, n, g, d))
     return out
+
+
+def _prefill_onednn(q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out: torch.Tensor, num_computed: int,
+                    per_tile: int) -> None:
+    """`_prefill_matmul`'s tiles with each kv head's two products as oneDNN matmuls
+    (`torch.ops.mkldnn._linear_pointwise`, the op of `kernels/cpu_gemm.py`), fp32: where PyTorch's MKL
+    runs its AVX2 code (AMD CPUs) oneDNN's are 1.4-2x faster at these shapes (docs/performance.md). Each
+    head's scores are softmaxed and multiplied by V before the next head's are made, so they stay in
+    cache. Measured against the bmm path on a 2-core AMD EPYC (Zen 5), one thread, one layer: 1.03x at 144
+    fresh tokens, 2x at 256 and 512, 1.3-1.5x for chunks continuing at 150-300. q [L, nH, D] fp32; kh,
+    vh [nKV, C, D] (views); out [L, nH, D], written here."""
+    L, nh, d = q.shape
+    nkv = kh.shape[0]
+    g = nh // nkv
+    linear = torch.ops.mkldnn._linear_pointwise
+    k = kh.contiguous()  # [nKV, C, D]: QK^T = linear(Q, K)
+    vt = vh.transpose(1, 2).contiguous()  # [nKV, D, C]: P V = linear(P, V^T)
+    qs = (q * d**-0.5).view(L, nkv, g, d).transpose(0, 1)  # [nKV, L, G, D], scaled once
+    for i0 in range(0, L, per_tile):
+        n = min(per_tile, L - i0)
+        keys = num_computed + i0 + n  # the tile's last row sees keys 0 .. keys-1; row r sees keys-n+r
+        mask = _strict_upper(n, q.device)[:, None, :]  # [n, 1, n]
+        for h in range(nkv):
+            s = linear(qs[h, i0:i0 + n].reshape(n * g, d), k[h, :keys], None, "none", [], "")  # [n G, keys]
+            s.view(n, g, keys)[..., keys - n:].masked_fill_(mask, float("-inf"))
+            v = vt[h] if keys == vt.shape[2] else vt[h, :, :keys].contiguous()  # [D, keys]
+            o = linear(torch.softmax(s, -1), v, None, "none", [], "")  # [n G, D]
+            out[i0:i0 + n].view(n, nkv, g, d)[:, h].copy_(o.view(n, g, d))
 
 
 _STRICT_UPPER: dict[tuple[int, torch.device], torch.Tensor] = {}

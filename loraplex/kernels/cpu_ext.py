@@ -38,8 +38,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "module.cpp", CSRC / "bgmv_cpu.cpp", CSRC / "paged_attention_cpu.cpp", CSRC / "packed_gemm_cpu.cpp",
-           CSRC / "rope_cpu.cpp"]
+SOURCES = [CSRC / "module.cpp", CSRC / "bgmv_cpu.cpp", CSRC / "paged_attention_cpu.cpp", CSRC / "paged_decode_cpu.cpp",
+           CSRC / "packed_gemm_cpu.cpp", CSRC / "rope_cpu.cpp"]
+HEADERS = [CSRC / "paged_attention.h"]
 CFLAGS = ("-O3", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
@@ -55,7 +56,7 @@ def module_name() -> str:
     name a source by path, and another checkout's would rebuild it), flags and PyTorch version hashed
     in, so a change to any of them builds a new one instead of loading a stale one."""
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in [*SOURCES, *HEADERS]:
         digest.update(source.read_bytes())
     digest.update(" ".join([*(str(s.resolve()) for s in SOURCES), torch.__version__, *CFLAGS, *LDFLAGS]).encode())
     return f"loraplex_cpu_{digest.hexdigest()[:12]}"

@@ -17,20 +17,20 @@ BLOCK = 4
 STEP = [(0, 1), (2, 1), (3, 1), (4, 1), (10, 1), (15, 1), (16, 1), (0, 7), (5, 3), (8, 37), (0, 40)]
 
 
-def make_step(step, nh: int, nkv: int, d: int, dtype: torch.dtype, gen: torch.Generator):
+def make_step(step, nh: int, nkv: int, d: int, dtype: torch.dtype, gen: torch.Generator, block: int = BLOCK):
     """Caches full of NaN but for the earlier tokens of each request, in scattered blocks (never block
     0); q, k, v of this step's rows; the metadata as ModelRunner.prepare builds it; each request's full
     K, V [len, nKV, D] in fp64 (the values the cache holds in `dtype`) and its first row."""
     lengths = [c + n for c, n in step]
-    width = -(-max(lengths) // BLOCK) + 1  # one padding block more than needed
-    num_blocks = 1 + sum(-(-n // BLOCK) for n in lengths) + 3
+    width = -(-max(lengths) // block) + 1  # one padding block more than needed
+    num_blocks = 1 + sum(-(-n // block) for n in lengths) + 3
     order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    caches = [torch.full((num_blocks * BLOCK, nkv, d), float("nan"), dtype=dtype) for _ in range(2)]
+    caches = [torch.full((num_blocks * block, nkv, d), float("nan"), dtype=dtype) for _ in range(2)]
     tables, slots, qs, ks, vs, full, prefills = [], [], [], [], [], [], []
     row = 0
     for seq, (c, n) in enumerate(step):
-        blocks = [order.pop() for _ in range(-(-(c + n) // BLOCK))]
-        pos_slots = torch.tensor([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(c + n)])
+        blocks = [order.pop() for _ in range(-(-(c + n) // block))]
+        pos_slots = torch.tensor([blocks[p // block] * block + p % block for p in range(c + n)])
         k, v = (torch.randn(c + n, nkv, d, generator=gen).to(dtype) for _ in range(2))
         caches[0][pos_slots[:c]], caches[1][pos_slots[:c]] = k[:c], v[:c]
         tables.append(blocks + [0] * (width - len(blocks)))
@@ -42,7 +42,7 @@ def make_step(step, nh: int, nkv: int, d: int, dtype: torch.dtype, gen: torch.Ge
         if n > 1:
             prefills.append(PrefillChunk(row, n, seq, c))
         row += n
-    attn = AttentionMetadata(slot_mapping=torch.cat(slots), block_size=BLOCK,
+    attn = AttentionMetadata(slot_mapping=torch.cat(slots), block_size=block,
                              num_decode_tokens=sum(n == 1 for _, n in step), block_tables=torch.tensor(tables),
                              context_lens=lengths, prefills=prefills)
     return torch.cat(qs), torch.cat(ks), torch.cat(vs), tuple(caches), attn, full
@@ -72,7 +72,8 @@ def path(request, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 1, 32), (4, 4, 128)], ids=["gqa", "mqa-32", "mha"])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 1, 32), (4, 4, 128), (8, 2, 16), (2, 1, 256), (4, 2, 80)],
+                         ids=["gqa", "mqa-32", "mha", "d16", "d256", "d80-general-loop"])
 def test_mixed_step_matches_fp64_attention(path, dtype, tol, heads):
     nh, nkv, d = heads
     gen = torch.Generator().manual_seed(0)
@@ -133,3 +134,22 @@ def test_kernel_refuses_indices_outside_the_cache():
     with pytest.raises(RuntimeError, match="rows out of range"):
         ext.paged_attention(torch.empty_like(q), q, cache, cache, torch.tensor([[1]]), torch.tensor([[0, 2, 0, 1]]),
                             BLOCK, 0.125)
+
+
+@pytest.mark.parametrize("backend", ["onednn", "mkl"])
+def test_long_prefill_chunks_match_fp64_attention(backend, monkeypatch):
+    """Chunks with enough scores take oneDNN's matmuls (fp32, `cpu_gemm.backend` onednn), the others
+    the bmm path: a fresh prompt of 130 tokens (two tiles, the second seeing the first) and a chunk of
+    100 continuing at 100, beside decodes, in block-16 caches."""
+    from loraplex.kernels import cpu_gemm
+
+    monkeypatch.setattr(cpu_gemm, "backend", backend)
+    calls = []
+    real = attention._prefill_onednn
+    monkeypatch.setattr(attention, "_prefill_onednn", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    step = [(0, 1), (20, 1), (0, 130), (100, 100), (3, 9)]
+    q, k, v, caches, attn, full = make_step(step, 9, 3, 64, torch.float32, torch.Generator().manual_seed(4), block=16)
+    out = paged_attention(q, k, v, caches, attn)
+    err = (out.double() - reference(q, step, full, 3)).abs().max().item()
+    assert err <= 2e-6, err
+    assert calls == ([130, 100] if backend == "onednn" else [])

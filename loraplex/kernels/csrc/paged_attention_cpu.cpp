@@ -11,8 +11,9 @@
 // Output: out [T, nH, D], out[t, h] = softmax(q[t, h] . K^T / sqrt(D)) V over the row's keys, with
 // kv head g = h / G (GQA, as Hugging Face's repeat_kv).
 //
-// One work item is a tile of rows times one kv head: its n x G queries are scaled into fp32, then each
-// block of bs keys is read once for all of them (flash attention's tiling, Dao et al. 2022, with the
+// Decode tiles (one row) of fp32 or bf16 caches with D a multiple of 16 go to the vector loop of
+// paged_decode_cpu.cpp; every other tile to `attend` below. One work item is a tile of rows times one
+// kv head (or all of them): its n x G queries are scaled into fp32, then each block of bs keys is read once for all of them (flash attention's tiling, Dao et al. 2022, with the
 // online softmax of Milakov & Gimelshein 2018: a running max and sum per query, the accumulator
 // rescaled once per block). Scores, softmax and P V run in fp32 whatever the cache's dtype (bf16 K/V
 // are widened as they are read), and a position past a row's context is never read, so whatever an
@@ -21,6 +22,7 @@
 // picked at load time (GCC's target_clones), so one build runs on both CPU families.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "paged_attention.h"
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -34,23 +36,12 @@
 
 namespace {
 
+using loraplex_attention::Args;
+
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxQueries = 256;  // n x G per work item (Python cuts tiles to fit)
 constexpr int64_t kMaxBlock = 64;
 constexpr int64_t kScratch = 2 * kMaxQueries * kMaxHeadDim + 2 * kMaxBlock * kMaxHeadDim + 2 * kMaxQueries + kMaxBlock;
-
-template <typename T>
-struct Args {
-  const T* q;
-  const T* k;
-  const T* v;
-  T* out;
-  const int64_t* tables;
-  int64_t q_row, q_head;         // strides of q and out, in elements
-  int64_t slot_stride, kv_head;  // strides of the caches
-  int64_t table_stride, bs, D, G;
-  float scale;
-};
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define LORAPLEX_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
@@ -191,7 +182,7 @@ template <typename T>
 void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& tiles, int64_t bs, double scale) {
   const int64_t nkv = k_cache.size(1);
-  Args<T> a{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), out.data_ptr<T>(),
+  const Args<T> a{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), out.data_ptr<T>(),
             block_tables.data_ptr<int64_t>(), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             block_tables.stride(0), bs, q.size(2), q.size(1) / nkv, float(scale)};
   const int64_t* tl = tiles.data_ptr<int64_t>();
@@ -203,12 +194,22 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
   const int64_t ng = widest * q.size(1) <= kMaxQueries && tiles.size(0) >= at::get_num_threads() ? nkv : 1;
   const int64_t per_tile = nkv / ng;
   const int64_t items = tiles.size(0) * per_tile;
+  constexpr bool vector_dtype = std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value;
+  const bool decodes = vector_dtype && loraplex_attention::decode_supported(a.D);
+  const int64_t floats = std::max(kScratch, loraplex_attention::decode_scratch(q.size(1), a.D, a.G));
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(kScratch);  // on the heap: too large for an OpenMP thread's stack
+    std::vector<float> buffer(floats + 16);  // on the heap: too large for an OpenMP thread's stack
+    float* scratch = buffer.data() + (16 - reinterpret_cast<uintptr_t>(buffer.data()) / sizeof(float) % 16) % 16;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t* t = tl + (w / per_tile) * 4;
       const int64_t g0 = (w % per_tile) * ng;
-      attend<T>(a, t[0], t[1], t[2], t[3], g0, ng, scratch.data());
+      if constexpr (vector_dtype) {
+        if (decodes && t[1] == 1) {
+          loraplex_attention::decode_rows(a, t[0], t[2], t[3], g0, ng, scratch);
+          continue;
+        }
+      }
+      attend<T>(a, t[0], t[1], t[2], t[3], g0, ng, scratch);
     }
   });
 }

@@ -1,0 +1,214 @@
+// The decode loop of the paged attention (one query row per request; see paged_attention_cpu.cpp for
+// the semantics, the letters and the general loop it replaces for such rows), written for the CPU's
+// vectors: 16 keys at a time, fp32 lanes.
+//
+// For each chunk of 16 keys of a request and each kv head, every one of its G query heads takes
+//   scores: 16 dot products q . k_j, each summed over D as one vector of 16 partial sums, then the
+//           16 vectors reduced to one vector of 16 scores by a transpose-and-add tree (30 two-vector
+//           shuffles and 15 adds, where a horizontal sum per key took 4-5 dependent steps each);
+//   softmax: the online softmax of Milakov & Gimelshein (2018) on that vector (running max and sum,
+//           the accumulator rescaled once per chunk), exp as a vector;
+//   P V:     the accumulator [D] held in registers while the chunk's 16 V rows are added into it.
+// Each K and V row is read once per chunk for all G query heads of its kv head, in place from the cache
+// (bf16 rows are widened as they are loaded). Sums run in another order than the general loop's, so the
+// two differ in the last bits (both within fp32 rounding of fp64 attention, tested).
+//
+// The vectors are GCC's vector extensions of 16 floats, so the compiler maps them to one AVX-512
+// register, two AVX2 ones or four SSE ones, in the clone it builds for each (target_clones).
+#include "paged_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+namespace loraplex_attention {
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+typedef uint32_t vu16 __attribute__((vector_size(64)));
+typedef uint16_t vh16 __attribute__((vector_size(32)));
+
+#define LORAPLEX_INLINE static inline __attribute__((always_inline))
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define LORAPLEX_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
+#else
+#define LORAPLEX_CLONES
+#endif
+
+constexpr int kLanes = 16;
+
+LORAPLEX_INLINE v16 load16(const float* p) {
+  v16 r;
+  std::memcpy(&r, p, sizeof r);
+  return r;
+}
+
+LORAPLEX_INLINE v16 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
+  vh16 h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<v16>(__builtin_convertvector(h, vu16) << 16);
+}
+
+LORAPLEX_INLINE v16 splat(float x) { return v16{} + x; }
+
+// exp(x) for x <= 0, lane by lane: paged_attention_cpu.cpp's exp_nonpositive (Cephes' expf, within
+// 1 ulp on [-87, 0]; 0 below -87.3 and for -inf; NaN stays NaN) on a vector.
+LORAPLEX_INLINE v16 exp_nonpositive(v16 x) {
+  const v16 t = x * 1.44269504088896341f;
+  const v16 n = (t + 12582912.f) - 12582912.f;  // round to nearest
+  const v16 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  v16 y = splat(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  const v16 clamped = n >= -126.f ? n : splat(-126.f);  // NaN: -126 (y is NaN then anyway)
+  const v16 scale = reinterpret_cast<v16>((__builtin_convertvector(clamped, vi16) + 127) << 23);
+  return x < -87.3f ? v16{} : y * scale;
+}
+
+// out[j] = the sum of t[j]'s 16 lanes, j < 16: four levels, each adding pairs of vectors after a shuffle
+// that halves the lanes per key (8, 4, 2, 1 partial sums of each key), keys kept in order.
+LORAPLEX_INLINE v16 transpose_sum(const v16* t) {
+  v16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(t[2 * i], t[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// scratch (64-byte aligned): qf [H, ND] and acc [H, ND] vectors, dots [G, 16] vectors, then floats:
+// p [G, 16], mx [H], sum [H], corr [G]; H = ng x G query heads of the item.
+template <typename T, int ND>
+LORAPLEX_CLONES void decode(const Args<T>& a, int64_t row, int64_t seq, int64_t ctx, int64_t g0, int64_t ng,
+                            float* scratch) {
+  const int64_t G = a.G, H = ng * G, bs = a.bs;
+  v16* qf = reinterpret_cast<v16*>(scratch);
+  v16* acc = qf + H * ND;
+  v16* dots = acc + H * ND;
+  float* p = reinterpret_cast<float*>(dots + G * kLanes);
+  float* mx = p + G * kLanes;
+  float* sum = mx + H;
+  float* corr = sum + H;
+  for (int64_t h = 0; h < H; ++h) {
+    const T* qr = a.q + row * a.q_row + (g0 * G + h) * a.q_head;
+    for (int c = 0; c < ND; ++c) {
+      qf[h * ND + c] = load16(qr + c * kLanes) * a.scale;
+      acc[h * ND + c] = v16{};
+    }
+    mx[h] = -std::numeric_limits<float>::infinity();
+    sum[h] = 0.f;
+  }
+  const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const int64_t* table = a.tables + seq * a.table_stride;
+  const int64_t slot_bytes = a.slot_stride * static_cast<int64_t>(sizeof(T));
+  const T* krow[kLanes];
+  const T* vrow[kLanes];
+  for (int64_t start = 0; start < ctx; start += kLanes) {
+    const int64_t nk = std::min<int64_t>(kLanes, ctx - start);
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t pos = start + j, slot = table[pos / bs] * bs + pos % bs;
+      krow[j] = a.k + slot * a.slot_stride;
+      vrow[j] = a.v + slot * a.slot_stride;
+    }
+    // The next chunk's rows, while this one is used: blocks are scattered, and the hardware's prefetcher
+    // stops at page ends.
+    for (int64_t pos = start + kLanes; pos < std::min(start + 2 * kLanes, ctx); ++pos) {
+      const int64_t slot = table[pos / bs] * bs + pos % bs;
+      const char* kn = reinterpret_cast<const char*>(a.k + slot * a.slot_stride);
+      const char* vn = reinterpret_cast<const char*>(a.v + slot * a.slot_stride);
+      for (int64_t off = 0; off < slot_bytes; off += 64) {
+        __builtin_prefetch(kn + off);
+        __builtin_prefetch(vn + off);
+      }
+    }
+    for (int64_t gi = 0; gi < ng; ++gi) {
+      const int64_t head = (g0 + gi) * a.kv_head;
+      const v16* qg = qf + gi * G * ND;
+      for (int64_t j = 0; j < nk; ++j) {
+        v16 kj[ND];
+        for (int c = 0; c < ND; ++c) kj[c] = load16(krow[j] + head + c * kLanes);
+        for (int64_t m = 0; m < G; ++m) {
+          v16 s = qg[m * ND] * kj[0];
+          for (int c = 1; c < ND; ++c) s += qg[m * ND + c] * kj[c];
+          dots[m * kLanes + j] = s;
+        }
+      }
+      for (int64_t m = 0; m < G; ++m) {
+        for (int64_t j = nk; j < kLanes; ++j) dots[m * kLanes + j] = v16{};
+        const int64_t qi = gi * G + m;
+        const v16 s = lane < static_cast<int32_t>(nk) ? transpose_sum(dots + m * kLanes)
+                                                       : splat(-std::numeric_limits<float>::infinity());
+        float best = mx[qi];
+        for (int j = 0; j < kLanes; ++j) best = std::max(best, s[j]);
+        corr[m] = std::exp(mx[qi] - best);  // exp(-inf) = 0 on the first chunk
+        const v16 e = exp_nonpositive(s - best);
+        float total = 0.f;
+        for (int j = 0; j < kLanes; ++j) total += e[j];
+        std::memcpy(p + m * kLanes, &e, sizeof e);
+        mx[qi] = best;
+        sum[qi] = sum[qi] * corr[m] + total;
+      }
+      for (int64_t m = 0; m < G; ++m) {
+        v16* am = acc + (gi * G + m) * ND;
+        v16 o[ND];
+        for (int c = 0; c < ND; ++c) o[c] = am[c] * corr[m];
+        for (int64_t j = 0; j < nk; ++j) {
+          const float pj = p[m * kLanes + j];
+          for (int c = 0; c < ND; ++c) o[c] += pj * load16(vrow[j] + head + c * kLanes);
+        }
+        for (int c = 0; c < ND; ++c) am[c] = o[c];
+      }
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    T* o = a.out + row * a.q_row + (g0 * G + h) * a.q_head;
+    const float inv = 1.f / sum[h];
+    const float* am = reinterpret_cast<const float*>(acc + h * ND);
+    for (int64_t d = 0; d < ND * kLanes; ++d) o[d] = T(am[d] * inv);
+  }
+}
+
+template <typename T>
+void dispatch(const Args<T>& a, int64_t row, int64_t seq, int64_t ctx, int64_t g0, int64_t ng, float* scratch) {
+  switch (a.D / kLanes) {
+    case 1: return decode<T, 1>(a, row, seq, ctx, g0, ng, scratch);
+    case 2: return decode<T, 2>(a, row, seq, ctx, g0, ng, scratch);
+    case 4: return decode<T, 4>(a, row, seq, ctx, g0, ng, scratch);
+    case 8: return decode<T, 8>(a, row, seq, ctx, g0, ng, scratch);
+    case 16: return decode<T, 16>(a, row, seq, ctx, g0, ng, scratch);
+  }
+}
+
+}  // namespace
+
+bool decode_supported(int64_t D) {
+  const int64_t nd = D / kLanes;
+  return D % kLanes == 0 && (nd == 1 || nd == 2 || nd == 4 || nd == 8 || nd == 16);
+}
+
+int64_t decode_scratch(int64_t nH, int64_t D, int64_t G) {
+  return 2 * nH * D + G * kLanes * kLanes + G * kLanes + 2 * nH + G;
+}
+
+void decode_rows(const Args<float>& a, int64_t row, int64_t seq, int64_t ctx, int64_t g0, int64_t ng, float* scratch) {
+  dispatch(a, row, seq, ctx, g0, ng, scratch);
+}
+
+void decode_rows(const Args<c10::BFloat16>& a, int64_t row, int64_t seq, int64_t ctx, int64_t g0, int64_t ng,
+                 float* scratch) {
+  dispatch(a, row, seq, ctx, g0, ng, scratch);
+}
+
+}  // namespace loraplex_attention
