@@ -30,7 +30,7 @@ from loraplex.engine.errors import EngineOverloadedError
 from loraplex.engine.loader import DUMMY_CONFIGS, iter_safetensors, load_config, resolve_model
 from loraplex.engine.model import LlamaModel
 from loraplex.engine.model_runner import ModelRunner, StepResult, kv_cache_bytes_per_block
-from loraplex.engine.request import Request, RequestOutput, RequestStatus
+from loraplex.engine.request import Request, RequestOutput, RequestStatus, output_prefix
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.kernels import attach_fused_shrink, pack_linears
@@ -309,8 +309,11 @@ class LLMEngine:
         if req.is_finished:
             del self.detokenizers[req.request_id]
             self._forget(req)
+            token_ids, text = list(req.output_token_ids), detok.text
+        else:  # built only if read: no per-step copy that grows with the output (RequestOutput)
+            token_ids, text = output_prefix(req.output_token_ids), detok.snapshot()
         return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                             token_ids=list(req.output_token_ids), text=detok.text, finish_reason=req.finish_reason,
+                             token_ids=token_ids, text=text, finish_reason=req.finish_reason,
                              adapter=req.adapter, ttft_s=ttft, latency_s=latency, delta_text=delta,
                              delta_token_ids=new_tokens, error=req.error,
                              adapter_failed=req.adapter_failed)

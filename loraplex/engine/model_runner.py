@@ -77,7 +77,7 @@ class ModelRunner:
             n = sched.num_scheduled_tokens[req.request_id]
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             row = len(ids)
-            ids += req.all_token_ids[start:end]
+            ids += req.token_ids_between(start, end)
             positions += range(start, end)
             slot_ids += [req.virtual_slot] * n
             context_lens.append(end)

@@ -6,6 +6,7 @@ import enum
 import itertools
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loraplex.engine.sampling_params import SamplingParams
@@ -78,9 +79,14 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Tokens start..end-1 of prompt + output, without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
 
     @property
     def is_finished(self) -> bool:
@@ -91,31 +97,73 @@ class Request:
         return FINISH_REASONS.get(self.status)
 
 
-@dataclass
 class RequestOutput:
     """What `LLM.generate` returns per prompt, and each streamed delta of `AsyncLLM.generate`.
 
-    token_ids/text: everything generated so far (in a delta: only the new part, see `delta_*`).
+    token_ids/text: everything generated so far; delta_token_ids/delta_text: what this output adds.
     ttft_s: seconds from arrival to the first output token; latency_s: arrival to finish.
     error: set when the engine ended the request because of a fault of its own (finish_reason "abort"):
     a failed adapter load, an exception in this request's sampling, stop check or detokenization, or a
     failed forward pass. None for a request aborted by its caller. adapter_failed: the error is its
     adapter's load or placement, so nothing of it ran.
+
+    The engine builds one output per request per step, so `token_ids` and `text` may be given as
+    functions (an unfinished request's prefix of its output list, its detokenizer's `snapshot`) and are
+    built on first read: a step costs O(1) per request, not a copy of the whole output (vLLM's
+    streaming outputs carry only deltas for the same reason).
     """
 
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    adapter: str | None
-    ttft_s: float | None = None
-    latency_s: float | None = None
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
-    error: str | None = None
-    adapter_failed: bool = False
+    __slots__ = ("request_id", "prompt_token_ids", "_token_ids", "_text", "finish_reason", "adapter", "ttft_s",
+                 "latency_s", "delta_text", "delta_token_ids", "error", "adapter_failed")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 token_ids: list[int] | Callable[[], list[int]], text: str | Callable[[], str],
+                 finish_reason: str | None, adapter: str | None, ttft_s: float | None = None,
+                 latency_s: float | None = None, delta_text: str = "", delta_token_ids: list[int] | None = None,
+                 error: str | None = None, adapter_failed: bool = False):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self._token_ids = token_ids
+        self._text = text
+        self.finish_reason = finish_reason
+        self.adapter = adapter
+        self.ttft_s = ttft_s
+        self.latency_s = latency_s
+        self.delta_text = delta_text
+        self.delta_token_ids = [] if delta_token_ids is None else delta_token_ids
+        self.error = error
+        self.adapter_failed = adapter_failed
+
+    @property
+    def token_ids(self) -> list[int]:
+        if callable(self._token_ids):
+            self._token_ids = self._token_ids()
+        return self._token_ids
+
+    @token_ids.setter
+    def token_ids(self, value: list[int]) -> None:
+        self._token_ids = value
+
+    @property
+    def text(self) -> str:
+        if callable(self._text):
+            self._text = self._text()
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text = value
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id!r}, token_ids={self.token_ids!r}, text={self.text!r}, "
+                f"finish_reason={self.finish_reason!r}, adapter={self.adapter!r}, error={self.error!r})")
+
+
+def output_prefix(tokens: list[int]) -> Callable[[], list[int]]:
+    """A function giving the first len(tokens) items of the append-only `tokens` as they are now."""
+    n = len(tokens)
+    return lambda: tokens[:n]

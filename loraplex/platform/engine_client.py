@@ -15,7 +15,6 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 from loraplex.adapters.manager import AdapterInUseError
 from loraplex.engine.async_llm import AsyncLLM
@@ -128,17 +127,26 @@ def engine_stats(core) -> dict:
     }
 
 
-@dataclass
 class Choice:
-    """One engine request's result so far. `error`: why the engine ended it (finish reason "abort")."""
+    """One engine request's result so far: its latest output's fields. `error`: why the engine ended it
+    (finish reason "abort"). `token_ids` and `text` are read from the latest output when asked for (an
+    unfinished output builds them on first read), so a step's update costs O(1)."""
 
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    ttft_s: float | None = None
-    latency_s: float | None = None
-    error: str | None = None
-    adapter_failed: bool = False  # the error is its adapter's load or placement: nothing of it ran
+    def __init__(self) -> None:
+        self.output: RequestOutput | None = None
+        self.finish_reason: str | None = None
+        self.ttft_s: float | None = None
+        self.latency_s: float | None = None
+        self.error: str | None = None
+        self.adapter_failed = False  # the error is its adapter's load or placement: nothing of it ran
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [] if self.output is None else self.output.token_ids
+
+    @property
+    def text(self) -> str:
+        return "" if self.output is None else self.output.text
 
 
 class Generation:
@@ -201,8 +209,7 @@ class Generation:
 
     @staticmethod
     def _update(choice: Choice, out: RequestOutput) -> None:
-        choice.token_ids = out.token_ids
-        choice.text = out.text
+        choice.output = out
         choice.finish_reason = out.finish_reason
         choice.ttft_s = out.ttft_s if out.ttft_s is not None else choice.ttft_s
         choice.latency_s = out.latency_s

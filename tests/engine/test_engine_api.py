@@ -117,6 +117,26 @@ def test_detokenizer_never_streams_part_of_a_stop_string(tokenizer):
     assert stopped and streamed == "one two " and "thr" not in streamed
 
 
+def test_step_outputs_copy_nothing_that_grows_and_still_read_as_of_their_step(llm, tokenizer):
+    """An unfinished request's output holds its tokens and text as of its step, built only when read (no
+    per-step copy of the whole output, Deliver 2 of issue 18); the finished one holds the full lists."""
+    engine = llm.engine
+    rid = engine.add_request(chat_ids(tokenizer, "Count from one to twenty."),
+                             SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)).request_id
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    *steps, last = outs
+    assert len(steps) == 11 and last.finished and len(last.token_ids) == 12
+    assert all(callable(o._token_ids) and callable(o._text) for o in steps)  # nothing built during the steps
+    assert not callable(last._token_ids)
+    for i, o in enumerate(steps):
+        assert o.token_ids == last.token_ids[:i + 1] and o.delta_token_ids == [last.token_ids[i]]
+        assert last.text.startswith(o.text)
+    assert "".join(o.delta_text for o in outs) == last.text
+    assert last.text == tokenizer.decode(last.token_ids, skip_special_tokens=True)
+
+
 def test_async_streaming_abort_and_a_free_event_loop(model_path, tokenizer):
     async def main():
         engine = AsyncLLM(str(model_path), dtype="float32", max_lora_rank=8, max_loras=1,
