@@ -180,8 +180,7 @@ def _prefill_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         keys = p.num_computed + i0 + n  # the tile's last row sees keys 0 .. keys-1; row r sees keys-n+r
         qt = qf[i0:i0 + n].view(n, nkv, g, d).transpose(0, 1).reshape(nkv, n * g, d)  # [nKV, n G, D]
         s = torch.bmm(qt, kh[:, :keys].transpose(1, 2)).mul_(d ** -0.5)  # [nKV, n G, keys]
-        s.view(nkv, n, g, keys)[..., keys - n:].masked_fill_(_strict_upper(n, q.device)[None, :, None, :],
-                                                              float("-inf"))
+        s.view(nkv, n, g, keys)[..., keys - n:].add_(_causal_bias(n, q.device)[None, :, None, :])
         o = torch.bmm(s.softmax(-1), vh[:, :keys])  # [nKV, n G, D]
         out[i0:i0 + n].view(n, nkv, g, d).transpose(0, 1).copy_(o.view(nkv, n, g, d))
     return out
@@ -206,24 +205,28 @@ def _prefill_onednn(q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out: to
     for i0 in range(0, L, per_tile):
         n = min(per_tile, L - i0)
         keys = num_computed + i0 + n  # the tile's last row sees keys 0 .. keys-1; row r sees keys-n+r
-        mask = _strict_upper(n, q.device)[:, None, :]  # [n, 1, n]
+        bias = _causal_bias(n, q.device)[:, None, :]  # [n, 1, n]
         for h in range(nkv):
             s = linear(qs[h, i0:i0 + n].reshape(n * g, d), k[h, :keys], None, "none", [], "")  # [n G, keys]
-            s.view(n, g, keys)[..., keys - n:].masked_fill_(mask, float("-inf"))
+            s.view(n, g, keys)[..., keys - n:].add_(bias)
             v = vt[h] if keys == vt.shape[2] else vt[h, :, :keys].contiguous()  # [D, keys]
             o = linear(torch.softmax(s, -1), v, None, "none", [], "")  # [n G, D]
             out[i0:i0 + n].view(n, nkv, g, d)[:, h].copy_(o.view(n, g, d))
 
 
-_STRICT_UPPER: dict[tuple[int, torch.device], torch.Tensor] = {}
+_CAUSAL_BIAS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
-def _strict_upper(n: int, device: torch.device) -> torch.Tensor:
-    """[n, n] bool, True above the diagonal (key j after row i), cached per size."""
+def _causal_bias(n: int, device: torch.device) -> torch.Tensor:
+    """[n, n] fp32, -inf above the diagonal (key j after row i) and 0 elsewhere, cached per size. Added to
+    the scores rather than written by masked_fill_, which took 6-8x as long on the strided view of a
+    tile's own keys (docs/performance.md); a NaN score at a masked position stays NaN this way, which
+    the chunk's own NaN K/V would spread to its earlier rows through P V anyway (module docstring)."""
     key = (n, device)
-    if key not in _STRICT_UPPER:
-        _STRICT_UPPER[key] = torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
-    return _STRICT_UPPER[key]
+    if key not in _CAUSAL_BIAS:
+        upper = torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
+        _CAUSAL_BIAS[key] = torch.zeros(n, n, device=device).masked_fill_(upper, float("-inf"))
+    return _CAUSAL_BIAS[key]
 
 
 def _paged_attention_torch(q, k, v, k_cache, v_cache, attn: AttentionMetadata) -> torch.Tensor:
