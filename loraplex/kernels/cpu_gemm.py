@@ -39,6 +39,7 @@ import logging
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from loraplex.kernels import cpu_ext
@@ -101,6 +102,20 @@ def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+ONEDNN = _onednn_available()
+
+
+def linear_unpacked(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N], no bias, for a weight that changes between calls (the LoRA
+    shrink rows and expand pages of a step): oneDNN's matmul on the plain weight with the onednn
+    backend, fp32, a contiguous weight and M >= 1 (1.5-1.9x F.linear at 64 rows where MKL runs its AVX2
+    code, docs/performance.md); else F.linear."""
+    if (backend == "onednn" and ONEDNN and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] >= 1 and weight.is_contiguous()):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    return F.linear(x, weight)
+
+
 def _refusal(name: str, dtype: torch.dtype) -> str | None:
     """Why backend `name` cannot pack weights of `dtype` here (None: it can)."""
     if name == "mkl":
@@ -112,7 +127,7 @@ def _refusal(name: str, dtype: torch.dtype) -> str | None:
         return None if ext.packed_gemm_available() else "this PyTorch's MKL has no packed GEMM"
     if dtype not in (torch.float32, torch.bfloat16):
         return ""
-    return None if _onednn_available() else "this PyTorch has no oneDNN (mkldnn) linear"
+    return None if ONEDNN else "this PyTorch has no oneDNN (mkldnn) linear"
 
 
 def _pack(name: str, weight: torch.Tensor) -> torch.Tensor:

@@ -146,7 +146,8 @@ class FusedShrink:
     zeros past H_out, or None. One F.linear over weight[:H_out + E] then yields the base output and the
     shrink of E / (k x page) pages of adapters in one GEMM. `key` names what the rows hold; `expand`
     holds those adapters' scaled B pages ([E, H_out] block-diagonal, or one [n x page, H_out_i] per
-    slice) for the packed path. Made by `attach_fused_shrink`.
+    slice) for the packed path, `expand_t` their transposes ([H_out, E] ...) for oneDNN's matmul
+    (`cpu_gemm.linear_unpacked`, fp32 with the onednn backend; else None). Made by `attach_fused_shrink`.
     """
 
     weight: torch.Tensor
@@ -155,6 +156,7 @@ class FusedShrink:
     cap_pages: int
     key: tuple | None = None
     expand: list | None = None
+    expand_t: list | None = None
 
 
 def attach_fused_shrink(linear: nn.Linear, slices: Sequence[LoRAWeights],
@@ -244,6 +246,8 @@ def fill_fused_rows(fs, slices, layout: dict) -> None:
         fs.expand = [bd.view(-1, fs.out)]
     else:
         fs.expand = [bt.reshape(-1, bt.shape[2]) for bt in bts]
+    onednn = cpu_gemm.backend == "onednn" and cpu_gemm.ONEDNN and fs.weight.dtype == torch.float32
+    fs.expand_t = [b.t().contiguous() for b in fs.expand] if onednn else None
     fs.key = key
 
 
@@ -265,13 +269,16 @@ def add_lora_fused_packed(y: torch.Tensor, v: torch.Tensor, slices, meta: LoRAMe
     if mask is not None:
         v = torch.where(mask, v, torch.zeros((), dtype=v.dtype))
     k, page, n = len(slices), slices[0].page, len(layout["key"])
+    def times(x: torch.Tensor, i: int) -> torch.Tensor:  # x @ fs.expand[i]
+        return x @ fs.expand[i] if fs.expand_t is None else cpu_gemm.linear_unpacked(x, fs.expand_t[i])
+
     if len(fs.expand) == 1 and k > 1:
-        deltas = [(0, v @ fs.expand[0])]  # block-diagonal: [T_a, sum H_out]
+        deltas = [(0, times(v, 0))]  # block-diagonal: [T_a, sum H_out]
     else:
         vs = v.view(v.shape[0], n, k, page)
         deltas, off = [], 0
         for i, b in enumerate(fs.expand):
-            deltas.append((off, vs[:, :, i].reshape(v.shape[0], -1) @ b))  # [T_a, H_out_i]
+            deltas.append((off, times(vs[:, :, i].reshape(v.shape[0], -1), i)))  # [T_a, H_out_i]
             off += b.shape[1]
     for off, delta in deltas:
         _add_at(y, off, delta, rows)
@@ -293,7 +300,7 @@ def fused_linear(x: torch.Tensor, linear: nn.Linear, slices: Sequence[LoRAWeight
         # oneDNN's packed base GEMM beats the fused F.linear by more than the separate shrink costs
         # (kernels/cpu_gemm.py); the shrink rows have no bias (FusedShrink zeroes it)
         y = cpu_gemm.linear(linear, x)  # [T, H_out]
-        v = F.linear(x, fs.weight[fs.out:n])  # [T, E]
+        v = cpu_gemm.linear_unpacked(x, fs.weight[fs.out:n])  # [T, E]
         return add_lora_fused_packed(y, v, slices, meta, layout, fs)
     y_ext = F.linear(x, fs.weight[:n], None if fs.bias is None else fs.bias[:n])  # [T, H_out + E]
     return add_lora_fused_packed(y_ext[:, :fs.out], y_ext[:, fs.out:], slices, meta, layout, fs)

@@ -196,3 +196,24 @@ def test_the_engine_packs_its_base_linears_and_the_switch_turns_it_off(monkeypat
     monkeypatch.setattr(cpu_gemm, "backend", None)
     off = LLMEngine("smollm2-135m-shapes", load_format="dummy", dtype="float32", max_loras=1)
     assert not hasattr(off.model.layers[0].self_attn.qkv_proj, "packed_weight")
+
+
+def test_linear_unpacked_is_onednn_for_fp32_and_f_linear_otherwise(monkeypatch):
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(16, 96, generator=gen), torch.randn(40, 96, generator=gen)
+    exact = x.double() @ w.double().T
+    got = cpu_gemm.linear_unpacked(x, w)
+    assert got.shape == (16, 40) and (got.double() - exact).abs().max().item() < 1e-4
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(cpu_gemm.torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a),
+                        raising=False)
+    cpu_gemm.linear_unpacked(x, w)
+    assert calls == [1]
+    wide = torch.randn(40, 200, generator=gen)[:, :96]  # a strided weight: F.linear
+    assert torch.equal(cpu_gemm.linear_unpacked(x, wide), F.linear(x, wide))
+    assert torch.equal(cpu_gemm.linear_unpacked(x.bfloat16(), w.bfloat16()), F.linear(x.bfloat16(), w.bfloat16()))
+    assert cpu_gemm.linear_unpacked(x[:0], w).shape == (0, 40)
+    monkeypatch.setattr(cpu_gemm, "backend", "mkl")
+    assert torch.equal(cpu_gemm.linear_unpacked(x, w), F.linear(x, w))
+    assert calls == [1]
