@@ -22,6 +22,7 @@ class IncrementalDetokenizer:
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.token_ids: list[int] = []
         self.released: list[str] = []  # text handed out by `delta`, in its pieces
+        self._join_at = 64  # released pieces are joined into one when they reach this count
         self.pending = ""  # text not handed out yet: at least the last `hold` characters, until finished
         self.prefix_offset = 0
         self.read_offset = 0
@@ -32,8 +33,8 @@ class IncrementalDetokenizer:
         return "".join(self.released) + self.pending
 
     def snapshot(self) -> Callable[[], str]:
-        """A function giving the text as it is now, joined only when called (the released pieces only
-        grow, `pending` is an immutable string)."""
+        """A function giving the text as it is now, joined only when called (a list of released pieces is
+        only appended to, a join makes a new one; `pending` is an immutable string)."""
         released, num_pieces, pending = self.released, len(self.released), self.pending
         return lambda: "".join(released[:num_pieces]) + pending
 
@@ -65,4 +66,8 @@ class IncrementalDetokenizer:
         if out:
             self.released.append(out)
             self.pending = self.pending[end:]
+            if len(self.released) >= self._join_at:  # a string per step costs ~60 B of overhead: join them
+                # when their count doubles (amortized O(1)); into a new list, so snapshots stay valid
+                self.released = ["".join(self.released)]
+                self._join_at *= 2
         return out

@@ -158,6 +158,18 @@ class RequestOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def _fields(self) -> tuple:
+        return (self.request_id, self.prompt_token_ids, self.token_ids, self.text, self.finish_reason, self.adapter,
+                self.ttft_s, self.latency_s, self.delta_text, self.delta_token_ids, self.error, self.adapter_failed)
+
+    def __reduce__(self):  # pickled with its lists built (the functions of an unfinished one do not pickle)
+        return RequestOutput, self._fields()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RequestOutput) and self._fields() == other._fields()
+
+    __hash__ = None
+
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id!r}, token_ids={self.token_ids!r}, text={self.text!r}, "
                 f"finish_reason={self.finish_reason!r}, adapter={self.adapter!r}, error={self.error!r})")

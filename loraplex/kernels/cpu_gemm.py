@@ -56,12 +56,12 @@ BACKENDS = ("onednn", "mkl")
 
 
 def backend_from_env() -> str | None:
-    """The backend `LORAPLEX_PACKED_GEMM` names: "onednn" (the default; "1" too), "mkl", or None ("0":
-    no packing). Raises ValueError for anything else."""
+    """The backend `LORAPLEX_PACKED_GEMM` names: "onednn" (the default; "1", "on", "true", "yes" too),
+    "mkl", or None ("0", "off", "none": no packing). Raises ValueError for anything else."""
     value = os.environ.get("LORAPLEX_PACKED_GEMM", "onednn").strip().lower()
     if value in ("0", "off", "none"):
         return None
-    if value in ("", "1"):
+    if value in ("", "1", "on", "true", "yes"):
         return "onednn"
     if value not in BACKENDS:
         raise ValueError(f"LORAPLEX_PACKED_GEMM={value!r}: expected one of {', '.join(BACKENDS)} or 0")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 import subprocess
 import sys
 import time
@@ -135,6 +136,10 @@ def test_step_outputs_copy_nothing_that_grows_and_still_read_as_of_their_step(ll
         assert last.text.startswith(o.text)
     assert "".join(o.delta_text for o in outs) == last.text
     assert last.text == tokenizer.decode(last.token_ids, skip_special_tokens=True)
+    fresh = [o for o in engine.step()]  # nothing running: no outputs
+    assert fresh == []
+    copy = pickle.loads(pickle.dumps(steps[3]))  # pickled with its lists built
+    assert copy == steps[3] and copy.token_ids == last.token_ids[:4] and copy is not steps[3]
 
 
 def test_async_streaming_abort_and_a_free_event_loop(model_path, tokenizer):

@@ -121,16 +121,22 @@ def test_a_weight_rebound_after_the_attach_is_refused():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [7, 24])
-def test_fused_shrink_over_a_onednn_packed_base(dtype, num_tokens):
+def test_fused_shrink_over_a_onednn_packed_base(dtype, num_tokens, monkeypatch):
     """With the base weight packed for oneDNN the base GEMM runs on the packed copy and the shrink rows
     apart (`cpu_gemm`): the same values to rounding."""
     from loraplex.kernels import cpu_gemm
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this PyTorch has no oneDNN")
+    monkeypatch.setattr(cpu_gemm, "backend", "onednn")
     case, linear, base = _fused_case(num_tokens, "uniform", 3, dtype, 8, seed=11)
     assert cpu_gemm.pack_linears([(linear, "decoder")], memory_bytes=1 << 40, name="onednn")
     assert cpu_gemm.takes_packed(linear, case.x)
+    packed_calls = []
+    real = cpu_gemm.linear
+    monkeypatch.setattr(cpu_gemm, "linear", lambda m, x: packed_calls.append(x.shape[0]) or real(m, x))
     out = lora_linear(case.x, linear, case.slices, case.meta)
-    assert fused_shrink_of(linear).key is not None
+    fs = fused_shrink_of(linear)
+    assert fs.key is not None and packed_calls == [num_tokens]  # the base GEMM ran on the packed copy
+    assert (fs.expand_t is not None) == (dtype == torch.float32)  # oneDNN's expand: fp32 only
     assert_matches(out, case, base)

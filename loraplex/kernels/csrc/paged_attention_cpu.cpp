@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -196,10 +197,14 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
   const int64_t items = tiles.size(0) * per_tile;
   constexpr bool vector_dtype = std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value;
   const bool decodes = vector_dtype && loraplex_attention::decode_supported(a.D);
-  const int64_t floats = std::max(kScratch, loraplex_attention::decode_scratch(q.size(1), a.D, a.G));
+  bool all_decodes = decodes;
+  for (int64_t i = 0; i < tiles.size(0) && all_decodes; ++i) all_decodes = tl[4 * i + 1] == 1;
+  const int64_t decode_floats = loraplex_attention::decode_scratch(q.size(1), a.D, a.G);
+  const int64_t floats = all_decodes ? decode_floats : std::max(kScratch, decode_floats);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer(floats + 16);  // on the heap: too large for an OpenMP thread's stack
-    float* scratch = buffer.data() + (16 - reinterpret_cast<uintptr_t>(buffer.data()) / sizeof(float) % 16) % 16;
+    // on the heap (too large for an OpenMP thread's stack), uninitialised (every loop writes before it reads)
+    std::unique_ptr<float[]> buffer(new float[floats + 16]);
+    float* scratch = buffer.get() + (16 - reinterpret_cast<uintptr_t>(buffer.get()) / sizeof(float) % 16) % 16;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t* t = tl + (w / per_tile) * 4;
       const int64_t g0 = (w % per_tile) * ng;

@@ -39,6 +39,14 @@ typedef uint16_t vh16 __attribute__((vector_size(32)));
 
 constexpr int kLanes = 16;
 
+// Two-vector shuffles: GCC has had __builtin_shuffle since 4.7 (__builtin_shufflevector only since 12),
+// clang has only __builtin_shufflevector.
+#if defined(__clang__)
+#define LORAPLEX_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define LORAPLEX_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vi16{__VA_ARGS__})
+#endif
+
 LORAPLEX_INLINE v16 load16(const float* p) {
   v16 r;
   std::memcpy(&r, p, sizeof r);
@@ -76,16 +84,16 @@ LORAPLEX_INLINE v16 exp_nonpositive(v16 x) {
 LORAPLEX_INLINE v16 transpose_sum(const v16* t) {
   v16 a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)
-    a[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(t[2 * i], t[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    a[i] = LORAPLEX_SHUFFLE(t[2 * i], t[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           LORAPLEX_SHUFFLE(t[2 * i], t[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   for (int i = 0; i < 4; ++i)
-    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    b[i] = LORAPLEX_SHUFFLE(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           LORAPLEX_SHUFFLE(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
   for (int i = 0; i < 2; ++i)
-    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    c[i] = LORAPLEX_SHUFFLE(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           LORAPLEX_SHUFFLE(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return LORAPLEX_SHUFFLE(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         LORAPLEX_SHUFFLE(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 // scratch (64-byte aligned): qf [H, ND] and acc [H, ND] vectors, dots [G, 16] vectors, then floats:
@@ -112,7 +120,8 @@ LORAPLEX_CLONES void decode(const Args<T>& a, int64_t row, int64_t seq, int64_t 
   }
   const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const int64_t* table = a.tables + seq * a.table_stride;
-  const int64_t slot_bytes = a.slot_stride * static_cast<int64_t>(sizeof(T));
+  // this item's kv heads g0 .. g0 + ng - 1 of a slot (the heads of a slot lie side by side)
+  const int64_t heads_bytes = ((ng - 1) * a.kv_head + a.D) * static_cast<int64_t>(sizeof(T));
   const T* krow[kLanes];
   const T* vrow[kLanes];
   for (int64_t start = 0; start < ctx; start += kLanes) {
@@ -122,13 +131,13 @@ LORAPLEX_CLONES void decode(const Args<T>& a, int64_t row, int64_t seq, int64_t 
       krow[j] = a.k + slot * a.slot_stride;
       vrow[j] = a.v + slot * a.slot_stride;
     }
-    // The next chunk's rows, while this one is used: blocks are scattered, and the hardware's prefetcher
+    // The next chunk's rows (this item's heads of them), while this one is used: blocks are scattered, and the hardware's prefetcher
     // stops at page ends.
     for (int64_t pos = start + kLanes; pos < std::min(start + 2 * kLanes, ctx); ++pos) {
       const int64_t slot = table[pos / bs] * bs + pos % bs;
-      const char* kn = reinterpret_cast<const char*>(a.k + slot * a.slot_stride);
-      const char* vn = reinterpret_cast<const char*>(a.v + slot * a.slot_stride);
-      for (int64_t off = 0; off < slot_bytes; off += 64) {
+      const char* kn = reinterpret_cast<const char*>(a.k + slot * a.slot_stride + g0 * a.kv_head);
+      const char* vn = reinterpret_cast<const char*>(a.v + slot * a.slot_stride + g0 * a.kv_head);
+      for (int64_t off = 0; off < heads_bytes; off += 64) {
         __builtin_prefetch(kn + off);
         __builtin_prefetch(vn + off);
       }
