@@ -43,6 +43,10 @@ MAX_QUERIES_PER_TILE = 256  # n x G queries of one work item (kMaxQueries in the
 # fp32 prefill chunks with at least this many scores per head (rows x context) take oneDNN's matmuls;
 # smaller ones lose to the per-call overhead (0.4x at 32 fresh tokens, 1.03x at 144; docs/performance.md)
 ONEDNN_MIN_SCORES = 128 * 128
+# Off: every chunk's context length is a new oneDNN shape, and each primitive oneDNN keeps (up to 1024)
+# holds a buffer of its M x K (`cpu_gemm.bucket_rows`), so a serving engine's memory would grow without a
+# bound we set; bmm has no such cache. The path stays tested for when keys can be bucketed too.
+ONEDNN_PREFILL = False
 ROWS_PER_TILE = 16  # prefill rows a work item takes: 16 x G queries share each block of K/V read
 
 
@@ -171,8 +175,8 @@ def _prefill_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty_like(q)
     per_tile = max(1, min(128, (16 << 20) // (nh * context)))
     qf = q.float()
-    if (q.dtype == torch.float32 and L * context >= ONEDNN_MIN_SCORES and cpu_gemm.backend == "onednn"
-            and torch.backends.mkldnn.is_available()):
+    if (ONEDNN_PREFILL and q.dtype == torch.float32 and L * context >= ONEDNN_MIN_SCORES
+            and cpu_gemm.backend == "onednn" and cpu_gemm.ONEDNN):
         _prefill_onednn(qf, kh, vh, out, p.num_computed, per_tile)
         return out
     for i0 in range(0, L, per_tile):

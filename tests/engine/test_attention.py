@@ -144,6 +144,7 @@ def test_long_prefill_chunks_match_fp64_attention(backend, monkeypatch):
     from loraplex.kernels import cpu_gemm
 
     monkeypatch.setattr(cpu_gemm, "backend", backend)
+    monkeypatch.setattr(attention, "ONEDNN_PREFILL", True)
     calls = []
     real = attention._prefill_onednn
     monkeypatch.setattr(attention, "_prefill_onednn", lambda *a: calls.append(a[0].shape[0]) or real(*a))

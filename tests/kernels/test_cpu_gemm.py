@@ -218,3 +218,23 @@ def test_linear_unpacked_is_onednn_for_fp32_and_f_linear_otherwise(monkeypatch):
     monkeypatch.setattr(cpu_gemm, "backend", "mkl")
     assert torch.equal(cpu_gemm.linear_unpacked(x, w), F.linear(x, w))
     assert calls == [1]
+
+
+def test_onednn_calls_are_padded_to_row_buckets(monkeypatch):
+    """Every M goes to oneDNN as one of a bounded set of sizes (its primitives are per shape); the
+    padding rows never reach the result."""
+    sizes = {cpu_gemm.bucket_rows(m) for m in range(1, 513)}
+    assert len(sizes) == 56 and all(m <= cpu_gemm.bucket_rows(m) <= m * 1.125 for m in range(1, 2049))
+    assert [cpu_gemm.bucket_rows(m) for m in (16, 17, 33, 64, 65, 100, 511, 512)] == [16, 18, 36, 64, 72, 104, 512, 512]
+    seen = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(cpu_gemm.torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: seen.append(x.shape[0]) or real(x, *a),
+                        raising=False)
+    gen = torch.Generator().manual_seed(7)
+    lin = nn.Linear(48, 40)
+    assert cpu_gemm.pack_linears([(lin, "decoder")], memory_bytes=1 << 40, name="onednn")
+    x = torch.randn(65, 48, generator=gen)
+    with torch.no_grad():
+        got = cpu_gemm.linear(lin, x)
+        torch.testing.assert_close(got, lin(x), rtol=0, atol=1e-5)
+    assert seen == [72] and got.shape == (65, 40)
