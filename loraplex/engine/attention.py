@@ -20,7 +20,8 @@ K/V in place through the block table, in fp32: no gather, no padded copy, no mas
 tiles of prefill rows too, tested, for a future GPU kernel of the same shape). A decode row runs its
 vector loop (`paged_decode_cpu.cpp`: 16 keys per vector, every query head of a kv head per K/V row
 read). Prefill chunks go to `_prefill_matmul`: their products are GEMM-sized, and a GEMM library beats
-a per-row loop there (oneDNN's for large fp32 chunks, `_prefill_onednn`; MKL's through bmm). Elsewhere,
+a per-row loop there (MKL's through bmm; `_prefill_onednn`, oneDNN's per kv head, is off by default,
+see ONEDNN_PREFILL). Elsewhere,
 or where the kernel could not be built (`kernels/cpu_ext.py` logs why), the PyTorch path gathers each
 request's context and calls `scaled_dot_product_attention` with a mask; the two agree to fp32
 rounding, which the tests check. The gather reads a request's position 0 for the masked positions past
