@@ -234,9 +234,19 @@ def takes_packed(module: nn.Linear, x: torch.Tensor) -> bool:
 def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """module(x) for x [M, K] (-> [M, N]): on the packed copy where `takes_packed`, else the module
     itself (`F.linear`, which also raises for an x of another width: neither packed copy records its
-    shape). Base weights are frozen; one written in place after packing would not be seen."""
+    shape). Base weights are frozen; one written in place after packing would not be seen. If the packed
+    call raises (a oneDNN without a kernel for this row count, say), the module drops its packed copy,
+    logs why once, and this and every later call run through F.linear: one failed call must not fail
+    every step of that size."""
     if not takes_packed(module, x):
         return module(x)
-    if module.packed_backend == "onednn":
-        return _onednn_call(x, module.packed_weight, module.bias)
-    return cpu_ext.load().packed_gemm_linear(x, module.packed_weight, module.out_features, module.bias)
+    try:
+        if module.packed_backend == "onednn":
+            return _onednn_call(x, module.packed_weight, module.bias)
+        return cpu_ext.load().packed_gemm_linear(x, module.packed_weight, module.out_features, module.bias)
+    except RuntimeError as exc:
+        logger.warning("a %s call on %d rows failed (%s); this linear uses F.linear from now on",
+                       module.packed_backend, x.shape[0], exc)
+        module.packed_rows = None
+        module.packed_weight = None
+        return module(x)

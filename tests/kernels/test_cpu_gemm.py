@@ -238,3 +238,20 @@ def test_onednn_calls_are_padded_to_row_buckets(monkeypatch):
         got = cpu_gemm.linear(lin, x)
         torch.testing.assert_close(got, lin(x), rtol=0, atol=1e-5)
     assert seen == [72] and got.shape == (65, 40)
+
+
+def test_a_failing_packed_call_falls_back_to_f_linear_for_good(monkeypatch, caplog):
+    lin = nn.Linear(32, 24)
+    assert cpu_gemm.pack_linears([(lin, "decoder")], memory_bytes=1 << 40, name="onednn")
+
+    def broken(*args):
+        raise RuntimeError("could not create a primitive")
+
+    monkeypatch.setattr(cpu_gemm, "_onednn_call", broken)
+    x = torch.randn(4, 32)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="loraplex.kernels.cpu_gemm"):
+        assert torch.equal(cpu_gemm.linear(lin, x), lin(x))
+        assert torch.equal(cpu_gemm.linear(lin, x), lin(x))  # no second try, no second warning
+    assert not cpu_gemm.takes_packed(lin, x) and lin.packed_weight is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "a onednn call on 4 rows failed (could not create a primitive); this linear uses F.linear from now on"]
