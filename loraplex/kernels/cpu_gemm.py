@@ -26,7 +26,8 @@ Either result is as close to the exact product as F.linear's (tested), not alway
 Within one step, rows without an adapter go through the packed copy in a base-only step and, with the
 mkl backend, through F.linear in a step whose adapters take the fused shrink, so their bits can depend
 on the step (to fp32 rounding, as with bf16 before). With the onednn backend an adapter step runs its
-base GEMM on the packed copy too and only the shrink rows through F.linear (`cpu_packed.fused_linear`).
+base GEMM on the packed copy too, and the shrink rows and expand pages through oneDNN's matmul on the
+plain weights (`linear_unpacked`, from `cpu_packed`).
 
 Packing happens only where it fits: at most `MEMORY_SHARE` of the memory the machine has available at
 load time; otherwise the engine logs that it runs without and uses F.linear throughout. A packed copy
@@ -98,11 +99,7 @@ def row_range(name: str, kind: str, dtype: torch.dtype) -> tuple[int, int]:
     return 2, (decoder_max_rows() if kind == "decoder" else LM_HEAD_MAX_ROWS)
 
 
-def _onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-
-
-ONEDNN = _onednn_available()
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 def bucket_rows(m: int) -> int:

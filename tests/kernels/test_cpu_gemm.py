@@ -16,8 +16,14 @@ pytestmark = pytest.mark.skipif(ext is None or not ext.packed_gemm_available() o
                                 reason="the CPU kernels are not built, or this PyTorch has no MKL packed GEMM or oneDNN")
 
 
-def _pack(name: str, weight: torch.Tensor) -> torch.Tensor:
-    return cpu_gemm._pack(name, weight)
+def _random_linear(n: int, k: int, bias: bool, gen: torch.Generator) -> nn.Linear:
+    """An fp32 [n, k] linear with weights of unit-variance outputs and, if asked, a N(0, 1) bias."""
+    lin = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=gen) / k**0.5)
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=gen))
+    return lin
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -29,11 +35,7 @@ def test_onednn_linear_is_within_the_rounding_bound(dtype, rows, n, k, bias):
     Stability of Numerical Algorithms, 2nd ed., section 3.1), plus half a bf16 ulp of the result for a
     bf16 output. (oneDNN sums K in another order than MKL: measured 1-4x F.linear's largest error here.)"""
     gen = torch.Generator().manual_seed(rows + n)
-    lin = nn.Linear(k, n, bias=bias)
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(n, k, generator=gen) / k**0.5)
-        if bias:
-            lin.bias.copy_(torch.randn(n, generator=gen))
+    lin = _random_linear(n, k, bias, gen)
     lin = lin.to(dtype)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     assert cpu_gemm.pack_linears([(lin, "lm_head")], memory_bytes=1 << 40, name="onednn") == n * k * lin.weight.element_size()
@@ -59,11 +61,7 @@ def test_packed_linear_is_as_exact_as_f_linear(rows, n, k, bias):
     """Against the product in fp64: no further off than F.linear (MKL blocks K its own way on the packed
     path, so the two round differently for some shapes; they agree bit for bit on others)."""
     gen = torch.Generator().manual_seed(rows + n)
-    lin = nn.Linear(k, n, bias=bias)
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(n, k, generator=gen) / k**0.5)
-        if bias:
-            lin.bias.copy_(torch.randn(n, generator=gen))
+    lin = _random_linear(n, k, bias, gen)
     x = torch.randn(rows, k, generator=gen)
     packed = ext.packed_gemm_pack(lin.weight.detach())
     with torch.no_grad():
@@ -90,7 +88,7 @@ def test_a_weight_rebound_or_cast_or_an_x_of_another_width_goes_to_f_linear(name
     gen = torch.Generator().manual_seed(3)
     lin = nn.Linear(32, 24, bias=False)
     assert cpu_gemm.pack_linears([(lin, "decoder")], memory_bytes=1 << 40, name=name)
-    lin.packed_weight = _pack(name, torch.randn(24, 32, generator=gen))  # a stand-in: shows which path ran
+    lin.packed_weight = cpu_gemm._pack(name, torch.randn(24, 32, generator=gen))  # a stand-in: shows which path ran
     x = torch.randn(4, 32, generator=gen)
     assert not torch.allclose(cpu_gemm.linear(lin, x), lin(x))
     lin.weight = nn.Parameter(lin.weight.detach().clone())  # re-bound (as load_state_dict(assign=True) does)
@@ -131,7 +129,7 @@ def test_linear_takes_the_packed_copy_only_in_its_row_range(name):
     bytes_ = 24 * 32 * 4 if name == "onednn" else ext.packed_gemm_bytes(24, 32)
     assert cpu_gemm.pack_linears([(lin, "decoder")], memory_bytes=1 << 40, name=name) == bytes_
     assert lin.packed_rows == cpu_gemm.row_range(name, "decoder", torch.float32)
-    lin.packed_weight = _pack(name, other)
+    lin.packed_weight = cpu_gemm._pack(name, other)
     lin.packed_rows = (2, 8)
     for rows, weight in ((1, lin.weight), (2, other), (8, other), (9, lin.weight)):
         x = torch.randn(rows, 32, generator=gen)

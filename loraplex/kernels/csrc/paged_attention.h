@@ -7,7 +7,31 @@
 
 #include <cstdint>
 
+// Both loops' hot functions are compiled for AVX-512, AVX2+FMA and plain x86-64, picked at load time.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define LORAPLEX_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
+#else
+#define LORAPLEX_CLONES
+#endif
+
 namespace loraplex_attention {
+
+// The body of exp(x) for x <= 0, from Cephes' expf: range reduction by ln 2 in two parts (n, returned,
+// is x / ln 2 rounded to nearest: 1.5 x 2^23 drops the fraction), then a degree-5 polynomial for exp(r)
+// on [-ln2/2, ln2/2]. exp(x) = the result x 2^n, which each caller builds in the exponent bits of its
+// type (float, or a vector of floats: V is either, the same operations lane by lane).
+template <typename V>
+inline __attribute__((always_inline)) V exp_reduced(V x, V& n) {
+  const V t = x * 1.44269504088896341f;
+  n = (t + 12582912.f) - 12582912.f;
+  const V r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  V y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  return y * r * r + r + 1.f;
+}
 
 template <typename T>
 struct Args {

@@ -13,8 +13,8 @@
 //
 // Decode tiles (one row) of fp32 or bf16 caches with D a multiple of 16 go to the vector loop of
 // paged_decode_cpu.cpp; every other tile to `attend` below. One work item is a tile of rows times one
-// kv head (or all of them): its n x G queries are scaled into fp32, then each block of bs keys is read once for all of them (flash attention's tiling, Dao et al. 2022, with the
-// online softmax of Milakov & Gimelshein 2018: a running max and sum per query, the accumulator
+// kv head (or all of them): its n x G queries are scaled into fp32, then each block of bs keys is read
+// once for all of them (flash attention's tiling, Dao et al. 2022, with the online softmax of Milakov & Gimelshein 2018: a running max and sum per query, the accumulator
 // rescaled once per block). Scores, softmax and P V run in fp32 whatever the cache's dtype (bf16 K/V
 // are widened as they are read), and a position past a row's context is never read, so whatever an
 // unused slot holds (even NaN) cannot enter a product. Work items are spread over PyTorch's own
@@ -33,7 +33,6 @@
 #include <limits>
 #include <memory>
 #include <type_traits>
-#include <vector>
 
 namespace {
 
@@ -44,11 +43,6 @@ constexpr int64_t kMaxQueries = 256;  // n x G per work item (Python cuts tiles 
 constexpr int64_t kMaxBlock = 64;
 constexpr int64_t kScratch = 2 * kMaxQueries * kMaxHeadDim + 2 * kMaxBlock * kMaxHeadDim + 2 * kMaxQueries + kMaxBlock;
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define LORAPLEX_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
-#else
-#define LORAPLEX_CLONES
-#endif
 
 // exp(x) for x <= 0 (a score minus its running max), vectorizable: Cephes' expf (range reduction by
 // ln 2 in two parts, a degree-5 polynomial on [-ln2/2, ln2/2], 2^n built in the exponent bits), within
@@ -56,16 +50,8 @@ constexpr int64_t kScratch = 2 * kMaxQueries * kMaxHeadDim + 2 * kMaxBlock * kMa
 // that call it run through `#pragma omp simd`, where a call to std::exp would stay one scalar call per
 // element.
 static inline float exp_nonpositive(float x) {
-  const float t = x * 1.44269504088896341f;
-  const float n = (t + 12582912.f) - 12582912.f;  // round to nearest: 1.5 x 2^23 drops the fraction
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.f;
+  float n;
+  const float y = loraplex_attention::exp_reduced(x, n);
   const int32_t bits = (static_cast<int32_t>(!(n >= -126.f) ? -126.f : n) + 127) << 23;  // NaN: y is NaN anyway
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));

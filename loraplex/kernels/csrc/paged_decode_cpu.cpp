@@ -31,11 +31,6 @@ typedef uint32_t vu16 __attribute__((vector_size(64)));
 typedef uint16_t vh16 __attribute__((vector_size(32)));
 
 #define LORAPLEX_INLINE static inline __attribute__((always_inline))
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define LORAPLEX_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
-#else
-#define LORAPLEX_CLONES
-#endif
 
 constexpr int kLanes = 16;
 
@@ -64,16 +59,8 @@ LORAPLEX_INLINE v16 splat(float x) { return v16{} + x; }
 // exp(x) for x <= 0, lane by lane: paged_attention_cpu.cpp's exp_nonpositive (Cephes' expf, within
 // 1 ulp on [-87, 0]; 0 below -87.3 and for -inf; NaN stays NaN) on a vector.
 LORAPLEX_INLINE v16 exp_nonpositive(v16 x) {
-  const v16 t = x * 1.44269504088896341f;
-  const v16 n = (t + 12582912.f) - 12582912.f;  // round to nearest
-  const v16 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  v16 y = splat(1.9875691500e-4f);
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.f;
+  v16 n;
+  const v16 y = exp_reduced(x, n);
   const v16 clamped = n >= -126.f ? n : splat(-126.f);  // NaN: -126 (y is NaN then anyway)
   const v16 scale = reinterpret_cast<v16>((__builtin_convertvector(clamped, vi16) + 127) << 23);
   return x < -87.3f ? v16{} : y * scale;
