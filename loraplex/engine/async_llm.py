@@ -56,7 +56,8 @@ class AsyncLLM:
         self._loop()
 
     async def submit(self, prompts: list[list[int]], params: list[SamplingParams], request_ids: list[str], *,
-                     adapter: str | None = None, tenant_id: int | None = None) -> asyncio.Queue:
+                     adapter: str | None = None, tenant_id: int | None = None,
+                     tenant_weight: float = 1.0) -> asyncio.Queue:
         """Queue one call's requests, all or none, and return the asyncio queue that every delta of theirs
         arrives on (`RequestOutput.request_id` tells which; the last of each has `finish_reason` set).
 
@@ -70,12 +71,13 @@ class AsyncLLM:
             for out in outs:
                 deltas.put_nowait(out)
 
-        await self.submit_to(prompts, params, request_ids, sink, adapter=adapter, tenant_id=tenant_id)
+        await self.submit_to(prompts, params, request_ids, sink, adapter=adapter, tenant_id=tenant_id,
+                             tenant_weight=tenant_weight)
         return deltas
 
     async def submit_to(self, prompts: list[list[int]], params: list[SamplingParams], request_ids: list[str],
                         sink: Sink, *, adapter: str | None = None, adapter_path: str | None = None,
-                        tenant_id: int | None = None) -> None:
+                        tenant_id: int | None = None, tenant_weight: float = 1.0) -> None:
         """`submit` with `sink(outputs)` called on this event loop once per step with the call's outputs of
         that step, in row order (the server's path: no queue between the engine and the response).
 
@@ -85,7 +87,8 @@ class AsyncLLM:
         """
         loop = asyncio.get_running_loop()
         try:
-            await self._call(self._add, prompts, params, adapter, adapter_path, request_ids, tenant_id, (loop, sink))
+            await self._call(self._add, prompts, params, adapter, adapter_path, request_ids, tenant_id, tenant_weight,
+                             (loop, sink))
         except asyncio.CancelledError:
             # The add may run after we stop waiting; the queue is FIFO, so this abort comes after it.
             self.abort_nowait(*request_ids)
@@ -93,12 +96,12 @@ class AsyncLLM:
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
                        adapter: str | None = None, request_id: str | None = None,
-                       tenant_id: int | None = None) -> AsyncIterator[RequestOutput]:
+                       tenant_id: int | None = None, tenant_weight: float = 1.0) -> AsyncIterator[RequestOutput]:
         """Stream deltas of one request; the last one has `finish_reason` set. Raises as `submit` does,
         before the first delta. Leaving the loop early aborts the request."""
         rid = request_id or f"async-{uuid.uuid4().hex}"
         deltas = await self.submit([prompt_token_ids], [sampling_params or SamplingParams()], [rid],
-                                   adapter=adapter, tenant_id=tenant_id)
+                                   adapter=adapter, tenant_id=tenant_id, tenant_weight=tenant_weight)
         finished = False
         try:
             while not finished:
@@ -134,10 +137,10 @@ class AsyncLLM:
         self._commands.put((fn, args, fut))
         return await asyncio.wrap_future(fut)
 
-    def _add(self, prompts, params, adapter, adapter_path, request_ids, tenant_id, stream) -> None:
+    def _add(self, prompts, params, adapter, adapter_path, request_ids, tenant_id, tenant_weight, stream) -> None:
         if adapter_path is not None and adapter not in self.engine.adapters:
             self.engine.adapters.register(adapter, adapter_path, validated=True)
-        self.engine.add_requests(prompts, params, adapter, request_ids, tenant_id, shed=True)
+        self.engine.add_requests(prompts, params, adapter, request_ids, tenant_id, tenant_weight, shed=True)
         for rid in request_ids:
             self._streams[rid] = stream
 

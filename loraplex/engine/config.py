@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SCHEDULING_POLICIES = ("fair", "fcfs")
+
 
 @dataclass
 class EngineConfig:
@@ -29,6 +31,10 @@ class EngineConfig:
     place in the batch, estimated from the running requests' remaining tokens and the recent step time
     (None: no bound in time). An empty queue always takes a call, however large. The offline `LLM`
     queues everything it is given.
+    scheduling_policy: "fair" (the default: priority, then fair share across tenants by Virtual Token
+    Counter, with preemption for either; `loraplex.engine.fair_share`) or "fcfs" (arrival order; priority
+    is ignored). priority_aging_s: under "fair", a waiting request's priority moves one level toward the
+    most urgent one per this many seconds since it arrived (None: no aging, low priority may starve).
     """
 
     max_num_seqs: int = 64
@@ -46,6 +52,8 @@ class EngineConfig:
     static_batching: bool = False  # benchmark baseline: admit a new batch only when the last one is done
     seed: int = 0
     num_threads: int | None = None
+    scheduling_policy: str = "fair"
+    priority_aging_s: float | None = 10.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank"):
@@ -69,5 +77,9 @@ class EngineConfig:
             raise ValueError(f"max_queue_wait_s must be > 0 seconds or None, got {self.max_queue_wait_s}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if self.priority_aging_s is not None and not self.priority_aging_s > 0:
+            raise ValueError(f"priority_aging_s must be > 0 seconds or None, got {self.priority_aging_s}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError("max_cpu_loras must be >= max_loras")

@@ -151,28 +151,32 @@ class LLMEngine:
     # requests -----------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     adapter: str | None = None, request_id: str | None = None,
-                    tenant_id: int | None = None) -> Request:
-        """Queue a request. Raises ValueError for an empty or too long prompt, out-of-vocabulary token
-        ids or sampling values (a ParamError naming the field), a duplicate id or an unknown adapter
-        (nothing is queued)."""
+                    tenant_id: int | None = None, tenant_weight: float = 1.0) -> Request:
+        """Queue a request. tenant_id and tenant_weight are its tenant and that tenant's fair-share weight
+        (`loraplex.engine.fair_share`; no tenant is one tenant). Raises ValueError for an empty or too long
+        prompt, out-of-vocabulary token ids or sampling values (a ParamError naming the field), a duplicate
+        id, an unknown adapter or a weight that is not > 0 (nothing is queued)."""
         return self.add_requests([prompt_token_ids], [params or SamplingParams()], adapter,
-                                 None if request_id is None else [request_id], tenant_id)[0]
+                                 None if request_id is None else [request_id], tenant_id, tenant_weight)[0]
 
     def add_requests(self, prompts: list[list[int]], params: list[SamplingParams], adapter: str | None = None,
-                     request_ids: list[str] | None = None, tenant_id: int | None = None, *,
-                     shed: bool = False) -> list[Request]:
+                     request_ids: list[str] | None = None, tenant_id: int | None = None,
+                     tenant_weight: float = 1.0, *, shed: bool = False) -> list[Request]:
         """Queue one call's requests (a prompt list, `n` choices) all or none: every one is checked as in
         `add_request` before any is queued. shed=True (a server) also raises EngineOverloadedError, with
         nothing queued, when the waiting queue has no room for them (`Scheduler.has_room`)."""
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"adapter {adapter!r} is not loaded")
+        if not (isinstance(tenant_weight, (int, float)) and 0 < tenant_weight < float("inf")):
+            raise ValueError(f"tenant_weight must be a number > 0, got {tenant_weight!r}")
         ids = request_ids if request_ids is not None else [None] * len(prompts)
-        reqs = [self._make_request(p, sp, adapter, rid, tenant_id)
+        reqs = [self._make_request(p, sp, adapter, rid, tenant_id, float(tenant_weight))
                 for p, sp, rid in zip(prompts, params, ids, strict=True)]
         if len({r.request_id for r in reqs}) < len(reqs):
             raise ValueError("request ids within one call must be distinct")
         num_tokens = sum(r.num_prompt_tokens for r in reqs)
-        if shed and not self.scheduler.has_room(len(reqs), num_tokens):
+        if shed and not self.scheduler.has_room(len(reqs), num_tokens, tenant_id=tenant_id,
+                                                tenant_weight=tenant_weight):
             sched, cfg = self.scheduler, self.config
             raise EngineOverloadedError(
                 f"the engine's waiting queue is full: {len(sched.waiting)} requests with {sched.num_waiting_tokens} "
@@ -190,7 +194,7 @@ class LLMEngine:
         return reqs
 
     def _make_request(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None,
-                      request_id: str | None, tenant_id: int | None) -> Request:
+                      request_id: str | None, tenant_id: int | None, tenant_weight: float) -> Request:
         """A checked, not yet queued request (ValueError as in `add_request`)."""
         n = len(prompt_token_ids)
         max_len = self.model_config.max_model_len
@@ -207,7 +211,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
         params.check_vocab(self.model_config.vocab_size)
         kwargs = {"request_id": request_id} if request_id is not None else {}
-        req = Request(list(prompt_token_ids), params, adapter=adapter, tenant_id=tenant_id, **kwargs)
+        req = Request(list(prompt_token_ids), params, adapter=adapter, tenant_id=tenant_id,
+                      tenant_weight=tenant_weight, **kwargs)
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         return req

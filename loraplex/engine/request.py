@@ -47,6 +47,7 @@ class Request:
     sampling_params: SamplingParams
     adapter: str | None = None
     tenant_id: int | None = None  # the gateway's tenant (None: no tenant, as through the LLM API)
+    tenant_weight: float = 1.0  # its tenant's fair-share weight (quota field `weight`) when it was queued
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -60,12 +61,18 @@ class Request:
     seed: int = 0
     error: str | None = None  # why the engine ended it early (status FINISHED_ABORTED), for the caller
     adapter_failed: bool = False  # that reason is its adapter's load or placement (nothing ran)
+    num_charged_prompt_tokens: int = 0  # prompt positions charged to its tenant's fair-share counter
+    admission_seq: int = -1  # when it last entered the batch, in admission order (fair share's "newest")
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is None:
             self.seed = random.getrandbits(63)
         else:
             self.seed = self.sampling_params.seed
+
+    @property
+    def priority(self) -> int:
+        return self.sampling_params.priority
 
     @property
     def num_prompt_tokens(self) -> int:

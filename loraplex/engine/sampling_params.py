@@ -21,6 +21,7 @@ MAX_NUM_STOP = 16  # stop strings per request
 MAX_STOP_LENGTH = 256  # characters per stop string (the detokenizer holds back len - 1 of them)
 MAX_NUM_STOP_TOKEN_IDS = 64
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1  # vLLM takes any int; a 32-bit range is plenty
 
 
 class ParamError(ValueError):
@@ -72,6 +73,12 @@ def check_seed(v) -> int | None:
     return v
 
 
+def check_priority(v) -> int:
+    if not _is_int(v) or not PRIORITY_MIN <= v <= PRIORITY_MAX:
+        raise ParamError("priority", f"priority must be an integer in [-2**31, 2**31 - 1], got {v!r}")
+    return v
+
+
 def check_text(text: str, param: str) -> str:
     """`text` if it is valid Unicode; a lone UTF-16 surrogate (JSON's "\\ud800", which Python's JSON parser
     reads) cannot be encoded or tokenized: ParamError naming `param`."""
@@ -120,7 +127,9 @@ class SamplingParams:
     temperature 0 is greedy; top_k -1 (or 0) keeps every token; seed makes sampling reproducible in any batch
     (the noise of output token n depends only on seed and n). stop strings end the text and are not
     included; stop_token_ids end generation like EOS (the token is not in the text); ignore_eos keeps
-    generating to max_tokens (benchmarks). Raises ParamError (a ValueError) for out-of-range values.
+    generating to max_tokens (benchmarks). priority: lower runs first (vLLM's extension, default 0), under
+    the scheduler's "fair" policy (`loraplex.engine.fair_share`); "fcfs" ignores it. Raises ParamError (a
+    ValueError) for out-of-range values.
     """
 
     max_tokens: int = 16
@@ -131,6 +140,7 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    priority: int = 0
 
     def __post_init__(self) -> None:
         check_max_tokens(self.max_tokens)
@@ -140,6 +150,7 @@ class SamplingParams:
         check_seed(self.seed)
         self.stop = check_stop(self.stop)
         self.stop_token_ids = check_stop_token_ids(self.stop_token_ids)
+        check_priority(self.priority)
 
     def check_vocab(self, vocab_size: int) -> None:
         """The checks that need the model: top_k and stop token ids against the vocabulary."""

@@ -28,6 +28,7 @@ that only decode, which the engine feeds; a prefill chunk's step says little abo
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -37,6 +38,7 @@ from typing import Protocol
 
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.fair_share import FairShare
 from loraplex.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -105,8 +107,11 @@ class Scheduler:
     eos_token_ids and max_model_len are the model's, for the stop rules (`check_stop`)."""
 
     def __init__(self, cfg: EngineConfig, block_manager: BlockManager, adapters: AdapterSlots,
-                 eos_token_ids: Collection[int] = (), max_model_len: int | None = None):
+                 eos_token_ids: Collection[int] = (), max_model_len: int | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.cfg = cfg
+        self.clock = clock  # for priority aging (tests pass their own)
+        self.fair = FairShare(cfg.max_num_seqs, cfg.priority_aging_s) if cfg.scheduling_policy == "fair" else None
         self.block_manager = block_manager
         self.adapters = adapters
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -116,9 +121,13 @@ class Scheduler:
         self.num_preemptions = 0
         self.step_time_s = 0.0  # recent seconds per decode-only step (0 until one is timed)
         self.is_kv_limited = False  # the last admission stopped for want of KV blocks
+        # per tenant since start: [prompt tokens computed (recompute included), output tokens sampled]
+        self.num_tokens_by_tenant: dict[int | None, list[int]] = {}
 
     def add_request(self, req: Request) -> None:
         self.waiting.append(req)
+        if self.fair is not None:
+            self.fair.add(req)
 
     @property
     def num_waiting_tokens(self) -> int:
@@ -130,20 +139,42 @@ class Scheduler:
         """Places in the batch the next step can admit into: none while admission waits for KV blocks."""
         return 0 if self.is_kv_limited else max(0, self.cfg.max_num_seqs - len(self.running))
 
-    def has_room(self, num_seqs: int, num_tokens: int | None, num_ahead: int = 0) -> bool:
-        """Whether `num_seqs` more requests with `num_tokens` tokens to prefill fit in the waiting queue's
-        bounds, behind `num_ahead` requests on their way to it (a server's, between its door and submit).
-        The running batch's free places count as room (the next step admits into them), and an empty queue
-        takes anything, so a call larger than the bounds still runs when the engine is idle. num_tokens
-        None skips the token bound (its scan of the queue), which makes this safe to call from another
-        thread, as a hint: the gateway does, to shed before it reads a request."""
+    def has_room(self, num_seqs: int, num_tokens: int | None, num_ahead: int = 0, tenant_id: int | None = None,
+                 tenant_weight: float = 1.0) -> bool:
+        """Whether `num_seqs` more requests of tenant `tenant_id` with `num_tokens` tokens to prefill fit in
+        the waiting queue's bounds, behind `num_ahead` requests on their way to it (a server's, between its
+        door and submit). The running batch's free places count as room (the next step admits into them),
+        and an empty queue takes anything, so a call larger than the bounds still runs when the engine is
+        idle. Under the "fair" policy a tenant within its fair share of the bounds (by weight, among the
+        tenants with requests) fits even when other tenants have filled them, so one tenant's burst never
+        sheds another's calls; the queue then holds at most twice its bounds. num_tokens None skips the token
+        bound (its scan of the queue)."""
         if not self.waiting and not num_ahead:
             return True
-        max_wait = self.cfg.max_queue_wait_s
+        cfg, max_wait = self.cfg, self.cfg.max_queue_wait_s
         num_new = num_ahead + num_seqs
-        return (len(self.waiting) + num_new <= self.cfg.max_num_waiting_seqs + self.num_free_places
-                and (num_tokens is None or self.num_waiting_tokens + num_tokens <= self.cfg.max_num_waiting_tokens)
-                and (max_wait is None or self.estimated_wait_s(num_new) <= max_wait))
+        max_seqs = cfg.max_num_waiting_seqs + self.num_free_places
+        if (len(self.waiting) + num_new <= max_seqs
+                and (num_tokens is None or self.num_waiting_tokens + num_tokens <= cfg.max_num_waiting_tokens)
+                and (max_wait is None or self.estimated_wait_s(num_new) <= max_wait)):
+            return True
+        if self.fair is None:
+            return False
+        mine = [r for r in self.waiting if r.tenant_id == tenant_id]
+        if len(mine) == len(self.waiting):  # the bounds were filled by this tenant alone
+            return False
+        share = self.fair.waiting_share
+        return (len(mine) + num_seqs <= share(tenant_id, tenant_weight, max_seqs)
+                and (num_tokens is None or sum(r.num_tokens - r.num_computed_tokens for r in mine) + num_tokens
+                     <= share(tenant_id, tenant_weight, cfg.max_num_waiting_tokens)))
+
+    def may_have_room(self, num_ahead: int = 0) -> bool:
+        """A hint that is safe to call from another thread (the gateway's door, before it knows the
+        caller): False only when no tenant's next request could fit (`has_room`): the queue's bounds
+        are full under "fcfs", twice full under "fair"."""
+        if self.fair is None:
+            return self.has_room(1, None, num_ahead)
+        return len(self.waiting) + num_ahead + 1 <= 2 * (self.cfg.max_num_waiting_seqs + self.num_free_places)
 
     def estimated_wait_s(self, num_seqs: int) -> float:
         """Seconds until the last of `num_seqs` new requests, queued behind the waiting ones, gets a place
@@ -174,6 +205,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
+        priority = None
+        if self.fair is not None:  # running requests most deserving first, so the last is the victim
+            fair = self.fair
+            priority_of = fair.priorities(itertools.chain(self.running, self.waiting), self.clock())
+            self.running.sort(key=lambda r: (priority_of(r), fair.counter(r.tenant_id), r.admission_seq))
+            priority = priority_of
         for req in list(self.running):
             if budget == 0:
                 break
@@ -188,17 +225,30 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue
-            out.requests.append(req)
-            out.num_scheduled_tokens[req.request_id] = num_new
+            self._schedule(out, req, num_new)
             budget -= num_new
-        num_examined = None
-        if not (out.preempted or (self.cfg.static_batching and self.running)):
+        num_examined, order = None, self.waiting
+        if self.cfg.static_batching and self.running:
+            if priority is not None:
+                order = list(self.fair.order(self.waiting, priority))
+        elif priority is not None:
+            # after preempting for KV room only a starved tenant's request is admitted (by preempting in turn)
+            num_examined, order = self._admit_fair(out, budget, priority, starved_only=bool(out.preempted))
+        elif not out.preempted:
             num_examined = self._admit(out, budget)
-        failed = self.adapters.step([r.adapter for r in self.waiting], num_examined)
+        failed = self.adapters.step([r.adapter for r in order], num_examined)
         if failed:
             for req in [r for r in self.waiting if r.adapter in failed]:
                 self._end_for_adapter(req, out, f"could not be loaded: {failed[req.adapter]}")
         return out
+
+    def _schedule(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+        """Run `num_new` tokens of `req` in this step (charged to its tenant under fair share)."""
+        if num_new:
+            out.requests.append(req)
+            out.num_scheduled_tokens[req.request_id] = num_new
+            if self.fair is not None:
+                self.fair.charge_prompt(req, num_new)
 
     def _end_for_adapter(self, req: Request, out: SchedulerOutput, reason: str) -> None:
         """End `req` because its adapter could not be loaded or placed (nothing of it ran)."""
@@ -225,22 +275,94 @@ class Scheduler:
             if not self.block_manager.allocate(req, num_new):
                 self.is_kv_limited = True
                 break
+            if not self._acquire_adapter(req, out):
+                continue
             self.waiting.popleft()
-            if req.adapter is not None:
-                try:
-                    req.virtual_slot = self.adapters.acquire(req.adapter)
-                except Exception as exc:  # placing this adapter failed: its requests end, the batch goes on
-                    logger.exception("adapter %r could not be placed in a slot", req.adapter)
-                    self._end_for_adapter(req, out, f"could not be placed in a slot: {exc}")
-                    continue
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            if num_new:
-                out.requests.append(req)
-                out.num_scheduled_tokens[req.request_id] = num_new
-                budget -= num_new
+            self._start(req)
+            self._schedule(out, req, num_new)
+            budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return len(skipped) + self.is_kv_limited
+
+    def _start(self, req: Request) -> None:
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        if self.fair is not None:
+            self.fair.admitted(req)
+
+    def _acquire_adapter(self, req: Request, out: SchedulerOutput) -> bool:
+        """Pin the adapter of `req` (False: placing it failed, and `req` ended alone)."""
+        if req.adapter is not None:
+            try:
+                req.virtual_slot = self.adapters.acquire(req.adapter)
+            except Exception as exc:  # placing this adapter failed: its requests end, the batch goes on
+                logger.exception("adapter %r could not be placed in a slot", req.adapter)
+                self._end_for_adapter(req, out, f"could not be placed in a slot: {exc}")
+                return False
+        return True
+
+    def _admit_fair(self, out: SchedulerOutput, budget: int, priority: Callable[[Request], int],
+                    starved_only: bool = False) -> tuple[int, list[Request]]:
+        """Admit waiting requests in fair-share order (`FairShare.order`), preempting for them where the
+        policy allows (`FairShare.victim`); starved_only: only those of tenants with no running request.
+        Returns how many it looked at and left in the queue, and the waiting requests in the order the
+        adapter manager should see them (those first)."""
+        static = self.cfg.static_batching
+        self.is_kv_limited = False
+        left: list[Request] = []  # looked at and left: no slot for the adapter, or no KV room
+        rest: list[Request] = []
+        admitted: set[Request] = set()
+        order = self.fair.order(self.waiting, priority)
+        for req in order:
+            if budget == 0 and not static:
+                rest.append(req)
+                break
+            if starved_only and self.fair.tenants[req.tenant_id].num_running:
+                rest.append(req)
+                continue
+            if req.adapter is not None and not self.adapters.can_acquire(req.adapter):
+                left.append(req)
+                continue
+            if len(self.running) >= self.cfg.max_num_seqs:
+                freed = None if static else self._preempt_for(req, out, admitted, priority)
+                if freed is None:
+                    rest.append(req)
+                    break
+                budget += freed
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.block_manager.allocate(req, num_new):
+                freed = None if static else self._preempt_for(req, out, admitted, priority)
+                if freed is None:
+                    self.is_kv_limited = True
+                    break
+                budget += freed
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self.is_kv_limited:
+                left.append(req)
+                break
+            if not self._acquire_adapter(req, out):
+                continue
+            self.waiting.remove(req)
+            self._start(req)
+            admitted.add(req)
+            self._schedule(out, req, num_new)
+            budget -= num_new
+        preempted = [r for r in out.preempted if r.status == RequestStatus.PREEMPTED]
+        return len(left), left + rest + list(order) + preempted
+
+    def _preempt_for(self, req: Request, out: SchedulerOutput, protected: set[Request],
+                     priority: Callable[[Request], int]) -> int | None:
+        """Preempt the running request that waiting `req` may take the place of (`FairShare.victim`);
+        returns the tokens of this step's budget that gives back, or None when there is no such request."""
+        victim = self.fair.victim(req, self.running, protected, priority)
+        if victim is None:
+            return None
+        freed = out.num_scheduled_tokens.pop(victim.request_id, 0)
+        if freed:
+            out.requests.remove(victim)
+        self._preempt(victim)
+        out.preempted.append(victim)
+        return freed
 
     def update_from_output(self, sched: SchedulerOutput, tokens: dict[str, int], errors: dict[str, Exception],
                            before_update: Callable[[Request], None] | None = None) -> StepUpdate:
@@ -252,7 +374,10 @@ class Scheduler:
         now = time.monotonic()
         for req in sched.requests:
             rid = req.request_id
+            served = self.num_tokens_by_tenant.setdefault(req.tenant_id, [0, 0])
+            before = req.num_computed_tokens
             req.num_computed_tokens += sched.num_scheduled_tokens[rid]
+            served[0] += max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - before)
             token = tokens.get(rid)
             if token is None and rid not in errors:
                 continue  # a prefill chunk short of the prompt's end
@@ -262,6 +387,9 @@ class Scheduler:
                 if before_update is not None:
                     before_update(req)
                 req.output_token_ids.append(token)
+                served[1] += 1
+                if self.fair is not None:
+                    self.fair.charge_output(req)
                 if req.first_token_time is None:
                     req.first_token_time = now
                 status = check_stop(req, token, self.eos_token_ids, self.max_model_len)
@@ -272,11 +400,32 @@ class Scheduler:
                 update.failed.append((req, exc))
         return update
 
+    def tenant_stats(self) -> dict[int | None, dict]:
+        """Per tenant seen: waiting and running requests now, prompt and output tokens computed since start,
+        and under "fair" its fair-share counter and weight (`FairShare.tenant_stats`)."""
+        stats: dict[int | None, dict] = {}
+
+        def of(key):
+            return stats.setdefault(key, {"num_waiting": 0, "num_running": 0, "num_prompt_tokens": 0,
+                                          "num_output_tokens": 0, "counter": None, "weight": None})
+
+        for r in self.waiting:
+            of(r.tenant_id)["num_waiting"] += 1
+        for r in self.running:
+            of(r.tenant_id)["num_running"] += 1
+        for key, (num_prompt, num_output) in list(self.num_tokens_by_tenant.items()):
+            of(key).update(num_prompt_tokens=num_prompt, num_output_tokens=num_output)
+        for key, t in (self.fair.tenant_stats() if self.fair is not None else {}).items():
+            of(key).update(counter=t["counter"], weight=t["weight"])
+        return stats
+
     def _preempt(self, req: Request) -> None:
         """Free everything `req` holds; it goes back to the front of the queue and is recomputed."""
         self.running.remove(req)
         self.block_manager.free(req)
         self._release_adapter(req)
+        if self.fair is not None:
+            self.fair.preempted(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -290,6 +439,8 @@ class Scheduler:
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Mark `req` finished and free its KV blocks and adapter pin in this same step."""
+        if self.fair is not None and not req.is_finished:
+            self.fair.finished(req, was_running=req.status == RequestStatus.RUNNING)
         req.status = status
         req.finish_time = time.monotonic()
         if req in self.running:

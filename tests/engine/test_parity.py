@@ -179,3 +179,39 @@ def test_default_model_answers_the_capital_question(model_path):
                    SamplingParams(max_tokens=20, temperature=0))[0]
     assert out.text == "The capital of France is Paris."
     assert out.finish_reason == "stop"
+
+
+def test_fair_share_and_priority_preemptions_give_the_same_tokens(model_path, peft_model, tokenizer):
+    # two rows: a second tenant's request and then an urgent one each preempt the first tenant's newest
+    model, paths = peft_model
+    small = LLM(str(model_path), dtype="float32", max_loras=2, max_lora_rank=64, max_num_seqs=2,
+                kv_cache_memory=64 << 20)
+    small.load_adapter("qv-r8", paths["qv-r8"])
+    engine = small.engine
+    assert engine.config.scheduling_policy == "fair"
+    greedy = dict(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    prompts = [chat_ids(tokenizer, p) for p in PROMPTS[:5]]
+    rows = [engine.add_request(prompts[0], SamplingParams(**greedy), "qv-r8", tenant_id=1),
+            engine.add_request(prompts[1], SamplingParams(**greedy), None, tenant_id=1),
+            engine.add_request(prompts[2], SamplingParams(**greedy), None, tenant_id=1)]
+    for _ in range(3):
+        engine.step()
+    def newest_running():
+        assert len(engine.scheduler.running) == 2
+        return max(engine.scheduler.running, key=lambda r: r.admission_seq)
+
+    victim = newest_running()
+    rows.append(engine.add_request(prompts[3], SamplingParams(**greedy), "qv-r8", tenant_id=2, tenant_weight=2.0))
+    engine.step()
+    assert victim.num_preemptions == 1 and rows[3] in engine.scheduler.running  # tenant 2 had no row
+    victim = newest_running()
+    rows.append(engine.add_request(prompts[4], SamplingParams(**greedy, priority=-1), None, tenant_id=1))
+    engine.step()
+    assert victim.num_preemptions == 1 and rows[4] in engine.scheduler.running  # more urgent than both
+    assert engine.scheduler.num_preemptions == 2
+    while engine.has_unfinished_requests():
+        engine.step()
+    for ids, r in zip(prompts, rows, strict=True):
+        expected = peft_generate(model, ids, r.adapter, MAX_NEW)
+        assert r.output_token_ids[: len(expected)] == expected
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
