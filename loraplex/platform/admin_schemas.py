@@ -8,11 +8,16 @@ from typing import Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from loraplex.engine.sampling_params import PRIORITY_MAX, PRIORITY_MIN
 from loraplex.platform.models import ApiKey, Quota, Tenant, UsageDaily
+
+MAX_WEIGHT = 1e6
 
 
 class QuotaIn(BaseModel):
-    """Fields left out stay as they are; null means unlimited."""
+    """Fields left out stay as they are; null means unlimited. weight, priority and min_priority are the
+    scheduler's (`loraplex.engine.fair_share`), never null: the tenant's fair-share weight, the priority
+    of its requests that name none, and the most urgent (lowest) priority a request of it may name."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -23,6 +28,11 @@ class QuotaIn(BaseModel):
     budget_period: Literal["day", "week", "month"] = "month"
     max_adapters: int | None = Field(None, ge=0)
     max_adapter_bytes: int | None = Field(None, ge=0)
+    weight: float = Field(1.0, gt=0, le=MAX_WEIGHT, allow_inf_nan=False,
+                          description="fair-share weight: the tenant's share of the engine against others")
+    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX, description="default priority (lower runs first)")
+    min_priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX,
+                              description="the most urgent priority a request may ask for")
 
 
 class TenantIn(BaseModel):
@@ -69,6 +79,9 @@ class QuotaOut(BaseModel):
     budget_period: Literal["day", "week", "month"]
     max_adapters: int | None
     max_adapter_bytes: int | None
+    weight: float
+    priority: int
+    min_priority: int
 
 
 class TenantOut(BaseModel):
@@ -110,10 +123,24 @@ class UsageOut(BaseModel):
     num_completion_tokens: int
 
 
+class TenantEngineOut(BaseModel):
+    """One tenant in the engine (`Scheduler.tenant_stats`): requests now, tokens computed since start, and
+    under the "fair" policy its fair-share counter (weighted tokens over weight) and weight."""
+
+    tenant_id: int | None
+    num_waiting: int
+    num_running: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    counter: float | None
+    weight: float | None
+
+
 class EngineOut(BaseModel):
-    """The engine's state: requests, KV cache blocks (usage 0..1), counters since start, and `adapters`
-    (`AdapterManager.adapter_stats`: per tier capacity, occupancy, hits, misses, evictions, load times,
-    and each adapter's tier under its engine name)."""
+    """The engine's state: requests, KV cache blocks (usage 0..1), counters since start, the scheduling
+    policy and each tenant seen (`tenants`), and `adapters` (`AdapterManager.adapter_stats`: per tier
+    capacity, occupancy, hits, misses, evictions, load times, and each adapter's tier under its engine
+    name)."""
 
     model: str
     quota_store: Literal["ok", "degraded"]
@@ -126,6 +153,8 @@ class EngineOut(BaseModel):
     num_batched_rows: int
     num_generated_tokens: int
     num_preemptions: int
+    scheduling_policy: Literal["fair", "fcfs"]
+    tenants: list[TenantEngineOut]
     adapters: dict
 
 

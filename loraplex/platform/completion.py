@@ -124,7 +124,8 @@ class Completions:
         if any(not p for p in prompts):
             raise invalid_request("The prompt is empty.", param=prompt_param_of(kind))
         max_tokens = check_lengths(self.engine, self.settings, kind, body, prompts)
-        params = sampling_params(self.engine.model_config.vocab_size, body, len(prompts), max_tokens)
+        priority = check_priority(body, caller)
+        params = sampling_params(self.engine.model_config.vocab_size, body, len(prompts), max_tokens, priority)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         return Completion(kind, body, tuple(prompts), max_tokens, tuple(params), request_id, int(time.time()),
                           target.adapter, target.engine_adapter, target.adapter_path)
@@ -174,7 +175,7 @@ class Completions:
             try:
                 gen = await Generation.start(engine, prompts, list(c.params), c.engine_adapter, c.request_id,
                                              caller.tenant_id, adapter_path=c.adapter_path,
-                                             stream=bool(c.body.stream))
+                                             stream=bool(c.body.stream), tenant_weight=caller.share.weight)
             finally:
                 engine.stop_admitting(request.scope.setdefault("state", {}))
         except BaseException as exc:  # nothing ran: the reservation, the slots and the RPM unit go back
@@ -259,8 +260,20 @@ def check_lengths(eng: EngineClient, settings: Settings, kind: str, body: ChatCo
     return requested
 
 
+def check_priority(body: ChatCompletionRequest | CompletionRequest, caller: Caller) -> int:
+    """The call's priority: the body's, or the tenant's default; 400 naming `priority` when the body asks
+    for one more urgent than the tenant's `min_priority` (a quota field an admin sets)."""
+    if body.priority is None:
+        return caller.share.priority
+    if body.priority < caller.share.min_priority:
+        raise invalid_request(f"priority {body.priority} is more urgent than this tenant may ask for: the lowest "
+                              f"allowed is {caller.share.min_priority} (an admin sets it: quota.min_priority).",
+                              param="priority")
+    return body.priority
+
+
 def sampling_params(vocab: int, body: ChatCompletionRequest | CompletionRequest, num_prompts: int,
-                    max_tokens: int) -> list[SamplingParams]:
+                    max_tokens: int, priority: int = 0) -> list[SamplingParams]:
     """One SamplingParams per sequence (choice j of a prompt gets seed + j, wrapped to 64 bits), checked
     against the model."""
     try:
@@ -270,7 +283,7 @@ def sampling_params(vocab: int, body: ChatCompletionRequest | CompletionRequest,
                                body.temperature, top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k,
                                seed=None if body.seed is None else (body.seed + j + 2**63) % 2**64 - 2**63,
                                stop=body.stop,
-                               stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos)
+                               stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos, priority=priority)
                 for _ in range(num_prompts) for j in range(body.n)]
     except ParamError as e:
         raise invalid_request(str(e), param=e.param) from None

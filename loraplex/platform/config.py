@@ -30,6 +30,9 @@ class QuotaDefaults(BaseSettings):
     budget_period: Literal["day", "week", "month"] = "month"
     max_adapters: int | None = Field(10, ge=0)
     max_adapter_bytes: int | None = Field(1 << 30, ge=0)
+    weight: float = Field(1.0, gt=0, allow_inf_nan=False)
+    priority: int = 0
+    min_priority: int = 0
 
 
 class Settings(BaseSettings):
@@ -55,6 +58,9 @@ class Settings(BaseSettings):
     max_num_waiting_seqs: int | None = Field(None, ge=1)
     max_num_waiting_tokens: int | None = Field(None, ge=1)
     max_queue_wait_s: float | None = Field(10.0, gt=0)
+    # "fair": priority, then fair share across tenants (VTC); "fcfs": arrival order (engine.fair_share)
+    scheduling_policy: Literal["fair", "fcfs"] = "fair"
+    priority_aging_s: float | None = Field(10.0, gt=0)
 
     # what one API call may ask, checked before anything is queued (400 naming the field)
     max_n: int = Field(16, ge=1)
@@ -110,7 +116,8 @@ class Settings(BaseSettings):
         kwargs = dict(dtype=self.dtype, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
                       max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                       max_num_waiting_seqs=self.max_num_waiting_seqs,
-                      max_num_waiting_tokens=self.max_num_waiting_tokens, max_queue_wait_s=self.max_queue_wait_s)
+                      max_num_waiting_tokens=self.max_num_waiting_tokens, max_queue_wait_s=self.max_queue_wait_s,
+                      scheduling_policy=self.scheduling_policy, priority_aging_s=self.priority_aging_s)
         if self.kv_cache_memory is not None:
             kwargs["kv_cache_memory"] = self.kv_cache_memory
         if self.num_threads is not None:

@@ -14,7 +14,7 @@ from loraplex.platform.models import Adapter, ApiKey, Quota, Tenant, UsageDaily,
 from loraplex.platform.quotas.limits import Limits
 
 QUOTA_FIELDS = ("rpm", "tpm", "max_concurrent_requests", "token_budget", "budget_period", "max_adapters",
-                "max_adapter_bytes")
+                "max_adapter_bytes", "weight", "priority", "min_priority")
 
 
 # tenants ----------------------------------------------------------------------------------------

@@ -72,11 +72,11 @@ class EngineClient:
 
     def is_queue_full(self) -> bool:
         """True when the engine's waiting queue cannot take one more request behind the ones admitted at
-        the door and not yet submitted (`Scheduler.has_room` without its token bound): a cheap test from
+        the door and not yet submitted, for any tenant (`Scheduler.may_have_room`): a cheap test from
         the event loop, racy by a step at most, that lets the gateway shed before it reads a body. The
         exact test is the engine's own, at submit; this one fails open."""
         try:
-            return not self.llm.engine.scheduler.has_room(1, None, self.num_admitting)
+            return not self.llm.engine.scheduler.may_have_room(self.num_admitting)
         except Exception:  # state changed under us: let the engine decide at submit
             return False
 
@@ -123,6 +123,8 @@ def engine_stats(core) -> dict:
         "num_batched_rows": core.num_batched_rows,
         "num_generated_tokens": core.num_generated_tokens,
         "num_preemptions": core.scheduler.num_preemptions,
+        "scheduling_policy": core.config.scheduling_policy,
+        "tenants": core.scheduler.tenant_stats(),
         "adapters": core.adapters.adapter_stats(),
     }
 
@@ -175,7 +177,7 @@ class Generation:
     @classmethod
     async def start(cls, service: EngineClient, prompts: list[list[int]], params: list[SamplingParams],
                     adapter: str | None, request_id: str, tenant_id: int, adapter_path: str | None = None,
-                    stream: bool = True) -> Generation:
+                    stream: bool = True, tenant_weight: float = 1.0) -> Generation:
         """Queue the call's requests, all or none, registering `adapter` from `adapter_path` (the store's
         validated files) in the same engine command if the engine does not know it yet. Raises ValueError
         (input the engine refuses) or EngineOverloadedError (its waiting queue is full) with nothing queued.
@@ -183,7 +185,7 @@ class Generation:
         would hold memory quadratic in the output's length); only `choices` and `wait()` are used."""
         gen = cls(service, [f"{request_id}-{i}" for i in range(len(params))], stream)
         await service.llm.submit_to(prompts, params, gen.request_ids, gen._feed, adapter=adapter,
-                                    adapter_path=adapter_path, tenant_id=tenant_id)
+                                    adapter_path=adapter_path, tenant_id=tenant_id, tenant_weight=tenant_weight)
         return gen
 
     @property

@@ -46,6 +46,29 @@ class EngineCollector:
                 loads.add_metric([tier], t["misses"])
         yield loads
         yield CounterMetricFamily("loraplex_engine_steps", "Engine steps", value=s["num_steps"])
+        yield from tenant_families(s.get("tenants", {}))
+
+
+def tenant_families(tenants: dict):
+    """Per tenant id (the engine knows ids; "none" is requests without a tenant): queue depth, running
+    requests, tokens computed by kind, and the fair-share counter (weighted tokens over weight)."""
+    waiting = GaugeMetricFamily("loraplex_tenant_requests_waiting", "Requests waiting for admission, per tenant",
+                                labels=["tenant_id"])
+    running = GaugeMetricFamily("loraplex_tenant_requests_running", "Requests in the running batch, per tenant",
+                                labels=["tenant_id"])
+    tokens = CounterMetricFamily("loraplex_tenant_tokens_computed", "Tokens the engine computed per tenant, by kind "
+                                 "(prompt: prefill, recompute included; output: sampled)", labels=["tenant_id", "kind"])
+    counter = GaugeMetricFamily("loraplex_tenant_fair_share_counter", "Virtual token counter of the fair policy "
+                                "(weighted tokens over weight, since the tenant's last return)", labels=["tenant_id"])
+    for key, t in tenants.items():
+        label = ["none" if key is None else str(key)]
+        waiting.add_metric(label, t["num_waiting"])
+        running.add_metric(label, t["num_running"])
+        tokens.add_metric([*label, "prompt"], t["num_prompt_tokens"])
+        tokens.add_metric([*label, "output"], t["num_output_tokens"])
+        if t["counter"] is not None:
+            counter.add_metric(label, t["counter"])
+    yield from (waiting, running, tokens, counter)
 
 
 class Metrics:

@@ -92,6 +92,10 @@ class Quota(Base):
     budget_period: Mapped[str] = mapped_column(String(8), default="month")
     max_adapters: Mapped[int | None] = mapped_column(Integer())
     max_adapter_bytes: Mapped[int | None] = mapped_column(BigInteger())
+    # scheduling, not limits: fair-share weight, the default priority and the most urgent one allowed
+    weight: Mapped[float] = mapped_column(Float(), default=1.0, server_default="1.0")
+    priority: Mapped[int] = mapped_column(Integer(), default=0, server_default="0")
+    min_priority: Mapped[int] = mapped_column(Integer(), default=0, server_default="0")
 
     tenant: Mapped[Tenant] = relationship(back_populates="quota")
 

@@ -28,6 +28,7 @@ from pydantic import (
 
 from loraplex.engine.sampling_params import (
     check_max_tokens,
+    check_priority,
     check_seed,
     check_stop,
     check_temperature,
@@ -45,6 +46,7 @@ _RANGE_CHECKS = {
     "temperature": check_temperature,
     "top_p": check_top_p,
     "seed": check_seed,
+    "priority": check_priority,
 }
 UNSUPPORTED_CHAT = {"logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none", "functions": [],
                     "function_call": "none", "audio": None, "prediction": None}
@@ -110,6 +112,8 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = Field(None, description="vLLM extension: token ids that end a choice")
     seed: StrictInt | None = None
+    priority: StrictInt | None = Field(None, description="vLLM extension: lower runs first (null: the tenant's "
+                                                         "default priority, a quota field)")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -91,6 +91,16 @@ class Identity:
     limits: Limits | None = None
     max_adapters: int | None = None
     max_adapter_bytes: int | None = None
+    share: Share | None = None
+
+
+@dataclass(frozen=True)
+class Share:
+    """A tenant's scheduling fields (its quota's): fair-share weight, default and most urgent priority."""
+
+    weight: float = 1.0
+    priority: int = 0
+    min_priority: int = 0
 
 
 def authenticate(session: Session, credentials: HTTPAuthorizationCredentials | None) -> Identity:
@@ -112,7 +122,7 @@ def authenticate(session: Session, credentials: HTTPAuthorizationCredentials | N
         raise invalid_api_key()
     q = tenant.quota
     return Identity(row.id, row.role, tenant.id, tenant.name, crud.limits_of(q), q.max_adapters,
-                    q.max_adapter_bytes)
+                    q.max_adapter_bytes, Share(q.weight, q.priority, q.min_priority))
 
 
 def get_identity(sessions: SessionsDep, credentials: TokenDep) -> Identity:
@@ -128,6 +138,7 @@ class Caller:
     key_id: int
     tenant_id: int
     tenant_name: str
+    share: Share = Share()
 
 
 def get_caller(key: ApiKeyDep) -> Caller:
@@ -138,7 +149,7 @@ def caller_of(key: Identity) -> Caller:
     """The tenant behind `key`; 403 `permission_denied` for an admin key."""
     if key.role != "tenant" or key.tenant_id is None:
         raise permission_denied("This is an admin key; the /v1 API takes a tenant's key.")
-    return Caller(key.key_id, key.tenant_id, key.tenant_name)
+    return Caller(key.key_id, key.tenant_id, key.tenant_name, key.share or Share())
 
 
 CurrentCaller = Annotated[Caller, Depends(get_caller)]

@@ -38,6 +38,7 @@ NOTICES = {
     "tenant-deleted": "Tenant deleted: its keys are refused, its adapters unloaded; its usage history stays.",
 }
 QUOTA_NUMBERS = ("rpm", "tpm", "max_concurrent_requests", "token_budget", "max_adapters", "max_adapter_bytes")
+SCHEDULING_FIELDS = ("weight", "priority", "min_priority")  # never null: a blank one stays as it is
 
 
 def throughput(request: Request) -> views.Throughput:
@@ -168,6 +169,10 @@ def parse_quota(form) -> dict:
     for f in QUOTA_NUMBERS:
         text = str(form.get(f, "")).replace(",", "").replace("_", "").strip()
         values[f] = int(text) if text.lstrip("-").isdigit() else None if not text else text
+    for f in SCHEDULING_FIELDS:
+        text = str(form.get(f, "")).strip()
+        if text:
+            values[f] = int(text) if text.lstrip("-").isdigit() else text
     return values
 
 

@@ -6,6 +6,7 @@ request log, and every list is read one page at a time.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import logging
 import math
@@ -170,6 +171,18 @@ class Tier:
 
 
 @dataclass(frozen=True)
+class ShareRow:
+    """A tenant's share of the engine now: its rows of the running batch, of all rows running."""
+
+    tenant_id: int | None
+    name: str
+    num_running: int
+    num_waiting: int
+    share: float
+    weight: float | None
+
+
+@dataclass(frozen=True)
 class EnginePanel:
     model: str
     quota_store: str
@@ -182,6 +195,8 @@ class EnginePanel:
     num_preemptions: int
     tokens_per_s: float | None
     tiers: list[Tier]
+    scheduling_policy: str = "fair"
+    shares: list[ShareRow] = field(default_factory=list)
 
 
 async def engine_panel(gw: Gateway, throughput: Throughput) -> tuple[EnginePanel, dict[str, str]]:
@@ -196,8 +211,24 @@ async def engine_panel(gw: Gateway, throughput: Throughput) -> tuple[EnginePanel
         max_num_seqs=gw.engine.llm.engine.config.max_num_seqs, kv_cache_usage=stats["kv_cache_usage"],
         num_kv_blocks=stats["num_kv_blocks"], num_free_kv_blocks=stats["num_free_kv_blocks"],
         num_preemptions=stats["num_preemptions"], tokens_per_s=throughput.rate(stats["num_generated_tokens"]),
-        tiers=tiers)
+        tiers=tiers, scheduling_policy=stats["scheduling_policy"], shares=await share_rows(gw, stats["tenants"]))
     return panel, stats["adapters"]["adapters"]
+
+
+async def share_rows(gw: Gateway, tenants: dict) -> list[ShareRow]:
+    """The tenants with requests in the engine now, the largest share first, named from the database."""
+    active = {k: t for k, t in tenants.items() if t["num_running"] or t["num_waiting"]}
+    ids = [k for k in active if k is not None]
+
+    def names() -> dict[int, str]:
+        with gw.sessions() as s:
+            return dict(s.execute(select(Tenant.id, Tenant.name).where(Tenant.id.in_(ids))).all()) if ids else {}
+
+    named = await asyncio.to_thread(names)
+    total = sum(t["num_running"] for t in active.values()) or 1
+    rows = [ShareRow(k, "(no tenant)" if k is None else named.get(k, f"tenant {k} (deleted)"), t["num_running"],
+                     t["num_waiting"], t["num_running"] / total, t["weight"]) for k, t in active.items()]
+    return sorted(rows, key=lambda r: (-r.share, -r.num_waiting, r.name))
 
 
 # a tenant's page ----------------------------------------------------------------------------------

@@ -91,13 +91,14 @@ def test_operator_flow(page, neighbours, dash_server, dash_admin, dash_gateway, 
 
     # its quota, saved through the admin API's code path; a bad value is refused and changes nothing
     for field, value in (("rpm", "3"), ("tpm", "5000"), ("max_concurrent_requests", "4"),
-                         ("token_budget", "400000"), ("max_adapters", "5"), ("max_adapter_bytes", "")):
+                         ("token_budget", "400000"), ("max_adapters", "5"), ("max_adapter_bytes", ""),
+                         ("weight", "2.5"), ("priority", "1")):
         page.fill(f"#q-{field}", value)
     page.select_option("#q-budget_period", "month")
     page.click("text=Save quota")
     assert "Quota saved" in page.locator(".flash-ok").text_content()
     quota = {"rpm": 3, "tpm": 5000, "max_concurrent_requests": 4, "token_budget": 400000, "budget_period": "month",
-             "max_adapters": 5, "max_adapter_bytes": None}
+             "max_adapters": 5, "max_adapter_bytes": None, "weight": 2.5, "priority": 1, "min_priority": 0}
     assert dash_admin.get(f"/admin/tenants/{tid}/quota").json() == quota
     page.fill("#q-rpm", "-5")
     page.click("text=Save quota")

@@ -50,9 +50,10 @@ def test_throughput_and_ranges():
 
 def test_quota_form_parsing():
     form = {"rpm": "1,000", "tpm": "", "max_concurrent_requests": " 4 ", "token_budget": "-1", "max_adapters": "ten",
-            "budget_period": "week"}
+            "budget_period": "week", "weight": " 0.5", "priority": "-3", "min_priority": ""}
     assert parse_quota(form) == {"rpm": 1000, "tpm": None, "max_concurrent_requests": 4, "token_budget": -1,
-                                 "max_adapters": "ten", "max_adapter_bytes": None, "budget_period": "week"}
+                                 "max_adapters": "ten", "max_adapter_bytes": None, "budget_period": "week",
+                                 "weight": "0.5", "priority": -3}  # a blank scheduling field stays as it is
 
 
 @pytest.mark.parametrize("store", ["memory", "redis"])

@@ -21,6 +21,7 @@ from loraplex.platform.admin_schemas import (
     Page,
     QuotaIn,
     QuotaOut,
+    TenantEngineOut,
     TenantIn,
     TenantOut,
     TenantPatch,
@@ -176,4 +177,6 @@ def usage(session: SessionDep, _: AdminKey, tenant_id: int | None = None, adapte
 @router.get("/engine")
 async def engine_state(engine: EngineDep, quotas: QuotasDep, _: AdminKey) -> EngineOut:
     stats = await engine.stats()
-    return EngineOut(model=engine.model_id, quota_store="degraded" if quotas.degraded else "ok", **stats)
+    tenants = [TenantEngineOut(tenant_id=k, **t) for k, t in stats.pop("tenants").items()]
+    return EngineOut(model=engine.model_id, quota_store="degraded" if quotas.degraded else "ok", tenants=tenants,
+                     **stats)

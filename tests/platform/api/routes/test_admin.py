@@ -53,7 +53,12 @@ def test_quota_read_and_set(admin, make_tenant):
     assert q["rpm"] is None and q["budget_period"] == "month"
     q = admin.patch(f"/admin/tenants/{t.id}/quota", json={"rpm": 7, "token_budget": 1000, "budget_period": "day"}).json()
     assert (q["rpm"], q["token_budget"], q["budget_period"], q["tpm"]) == (7, 1000, "day", None)
-    for bad in ({"rpm": -1}, {"budget_period": "year"}, {"nope": 1}):
+    assert (q["weight"], q["priority"], q["min_priority"]) == (1.0, 0, 0)  # the scheduling fields' defaults
+    q = admin.patch(f"/admin/tenants/{t.id}/quota", json={"weight": 4, "priority": 2, "min_priority": -5}).json()
+    assert (q["weight"], q["priority"], q["min_priority"], q["rpm"]) == (4.0, 2, -5, 7)
+    assert admin.get(f"/admin/tenants/{t.id}").json()["quota"]["weight"] == 4.0
+    for bad in ({"rpm": -1}, {"budget_period": "year"}, {"nope": 1}, {"weight": 0}, {"weight": None},
+                {"priority": 2**31}, {"min_priority": "high"}):
         r = admin.patch(f"/admin/tenants/{t.id}/quota", json=bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(bad))
 

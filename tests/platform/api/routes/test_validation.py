@@ -51,6 +51,10 @@ def error_of(r, status: int = 400) -> dict:
     ({"response_format": {"type": "json_object"}}, "response_format",
      "`response_format` of type 'json_object' is not supported by loraplex (only {\"type\": \"text\"})"),
     ({"max_tokens": 100_000}, "max_tokens", None),  # context: see test_chat
+    ({"priority": 2**31}, "priority", f"priority must be an integer in [-2**31, 2**31 - 1], got {2**31}"),
+    ({"priority": -1}, "priority", "priority -1 is more urgent than this tenant may ask for: the lowest allowed is "
+                                   "0 (an admin sets it: quota.min_priority)."),
+    ({"priority": 1.5}, "priority", "priority: Input should be a valid integer"),
     # types are strict, as OpenAI's: no string or boolean stands in for a number, no number for a boolean
     ({"temperature": "1"}, "temperature", "temperature: Input should be a valid number"),
     ({"max_tokens": True}, "max_tokens", "max_tokens: Input should be a valid integer"),
