@@ -8,6 +8,7 @@
     loraplex bench --preset adapter-paging        # 1 to 1,024 Zipf adapters in 8 slots against base-only
     loraplex bench --preset adapter-paging-all    # the same with adapters on all seven projections
     loraplex bench --preset vllm --threads 1      # ours vs vLLM's CPU build (scripts/peer-vllm installs it)
+    loraplex bench --preset fairness              # a noisy tenant beside a quiet one: fcfs vs fair scheduling
 
 A preset is one main workload (setting S1, n adapters, Zipf alpha, rate R) that every system runs
 with the same prompts, then three sweeps of our engine: R (with static batching and base-only beside
@@ -312,7 +313,7 @@ def _fmt(x: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="loraplex bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    ap.add_argument("--preset", choices=sorted([*PRESETS, "fairness"]), default="small")
     ap.add_argument("--out", type=Path, help="report path (default docs/benchmarks/<preset>.md)")
     ap.add_argument("--trace", type=Path, help="JSONL trace to replay as the main workload")
     ap.add_argument("--systems", help="comma-separated subset of engine,static,peft,base,http for the main workload")
@@ -326,6 +327,16 @@ def main(argv: list[str] | None = None) -> int:
                                           "$LORAPLEX_PEER_PYTHON, else .peer/vllm/bin/python from scripts/peer-vllm)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    command = "loraplex bench " + shlex.join(argv if argv is not None else sys.argv[1:])
+    if args.preset == "fairness":  # its own runs: one engine per scheduling policy (bench/fairness.py)
+        from loraplex.bench import fairness
+
+        spec = dataclasses.replace(fairness.FairnessSpec(), seed=args.seed)
+        out = args.out or Path("docs/benchmarks/fairness.md")
+        runs = fairness.run_all(spec, args.threads, "auto")
+        fairness.write_report(out, runs, spec, command=command, threads=args.threads, dtype="auto")
+        print(f"report written to {out}")
+        return 0
     preset = PRESETS[args.preset]()
     overrides = {"model": args.model, "load_format": args.load_format, "max_cpu_loras": args.max_cpu_loras}
     preset = dataclasses.replace(preset, **{k: v for k, v in overrides.items() if v is not None})
@@ -337,7 +348,6 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown systems {unknown}; choose from {sorted(report.NAMES)}")
         preset = dataclasses.replace(preset, systems=systems)
     out = args.out or Path("docs/benchmarks") / f"{args.preset}.md"
-    command = "loraplex bench " + shlex.join(argv if argv is not None else sys.argv[1:])
     started = time.perf_counter()
     if args.trace:
         try:  # before the model loads, so that a bad trace costs seconds, not minutes

@@ -1,0 +1,48 @@
+"""The fairness preset's workload and numbers, without a model (its runs: `loraplex bench --preset fairness`)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from loraplex.bench.fairness import BIN_S, NOISY, QUIET, FairnessSpec, Record, Run, arrivals, plan, pooled
+
+
+def test_the_plan_is_the_same_draw_in_every_run_and_the_noisy_rate_is_8x():
+    spec = FairnessSpec(duration_s=200.0, quiet_rate=0.5)
+    both, alone = plan(spec, 1000, True), plan(spec, 1000, False)
+    quiet = [x for x in both if x[1] == QUIET]
+    assert quiet == alone  # the quiet tenant's requests do not depend on the noisy one's
+    assert [x[0] for x in both] == sorted(x[0] for x in both)
+    num_noisy = sum(x[1] == NOISY for x in both)
+    assert num_noisy / len(quiet) == pytest.approx(8.0, rel=0.25)
+    lo, hi = spec.noisy_prompt
+    assert all(lo <= len(ids) <= hi and all(0 <= t < 1000 for t in ids) for _, k, ids, _ in both if k == NOISY)
+    assert all(m == spec.quiet_max_tokens for _, k, _, m in quiet)
+
+
+def test_poisson_arrivals_have_the_rate():
+    times = arrivals(4.0, 500.0, random.Random(3))
+    assert len(times) / 500.0 == pytest.approx(4.0, rel=0.1) and all(0 <= t < 500 for t in times)
+
+
+def test_run_numbers_count_only_the_window():
+    recs = [Record(QUIET, 0.0, 0.5, [0.5, 1.0, 11.0]), Record(NOISY, 1.0, 3.0, [3.0, 4.0, 6.0, 9.5]),
+            Record(QUIET, 2.0, None, [])]
+    run = Run("fair", recs, duration_s=10.0, num_preemptions=0)
+    assert run.tokens_per_s() == pytest.approx(0.6)  # 6 tokens within 10 s; the one at 11 s is after it
+    assert run.tokens_per_s(QUIET) == pytest.approx(0.2)
+    assert run.ttft(QUIET, 50) == 0.5 and run.ttft(NOISY, 99) == pytest.approx(2.0)
+    xs, ys = run.served_by_bin(NOISY)
+    assert xs == [BIN_S / 2, BIN_S * 1.5] and ys == [2 / BIN_S, 2 / BIN_S]
+
+
+def test_runs_of_one_policy_pool_end_to_end():
+    a = Run("fair", [Record(QUIET, 1.0, 1.5, [1.5, 9.0])], duration_s=10.0, num_preemptions=2)
+    b = Run("fair", [Record(QUIET, 2.0, 4.0, [4.0])], duration_s=10.0, num_preemptions=1)
+    other = Run("fcfs", [Record(QUIET, 0.0, 9.0, [9.0])], duration_s=10.0, num_preemptions=0)
+    both = pooled([a, other, b], "fair")
+    assert (both.duration_s, both.num_preemptions, len(both.records)) == (20.0, 3, 2)
+    assert both.records[1].arrival_s == 12.0 and both.records[1].token_times == [14.0]
+    assert both.ttft(QUIET, 100) == pytest.approx(2.0) and both.tokens_per_s() == pytest.approx(3 / 20)
