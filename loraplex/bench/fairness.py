@@ -45,7 +45,7 @@ class FairnessSpec:
     duration_s: float = 90.0
     quiet_rate: float = 0.4
     noisy_factor: float = 8.0
-    quiet_prompt: tuple[int, int] = (48, 96)
+    quiet_prompt: tuple[int, int] = (128, 256)  # the noisy tenant's lengths: it differs only in rate and output
     quiet_max_tokens: int = 16
     noisy_prompt: tuple[int, int] = (128, 256)
     noisy_max_tokens: int = 128
