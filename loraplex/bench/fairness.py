@@ -2,10 +2,13 @@
 "fair", and the quiet tenant alone, on one engine (`AsyncLLM`, its step loop on the main thread as in
 `loraplex serve`, the clients on an asyncio loop in a second thread).
 
-Both tenants send open-loop Poisson arrivals (`FairnessSpec`) with random prompts, greedy and
-`ignore_eos`, so each request makes exactly its max_tokens. The noisy tenant's offered load is past
-what the engine serves, so its requests queue; that is the point: under "fcfs" the quiet tenant's
-requests wait behind that queue, under "fair" they do not (`loraplex.engine.fair_share`).
+The noisy tenant sends open-loop Poisson arrivals at `noisy_factor` x `quiet_rate`; the quiet tenant
+is one interactive user who sends a request, waits for the whole answer, thinks for an exponential time
+of mean 1 / `quiet_rate`, and sends the next (the issue's "one at a time"). Prompts are random token
+ids, sampling greedy with `ignore_eos`, so each request makes exactly its max_tokens. The noisy
+tenant's offered load is past what the engine serves, so its requests queue; that is the point: under
+"fcfs" the quiet tenant's requests wait behind that queue, under "fair" they do not
+(`loraplex.engine.fair_share`).
 
 Measured per run (times in seconds from the run's start, TTFT as the client sees it: from its call to
 the first token):
@@ -101,28 +104,32 @@ def arrivals(rate: float, duration_s: float, rng: random.Random) -> list[float]:
     return times
 
 
-def plan(spec: FairnessSpec, vocab_size: int, with_noisy: bool) -> list[tuple[float, int, list[int], int]]:
-    """(arrival, tenant, prompt token ids, max_tokens), by arrival; the same draws in every run."""
+def plan(spec: FairnessSpec, vocab_size: int, with_noisy: bool
+         ) -> tuple[list[tuple[float, list[int]]], list[tuple[float, list[int]]]]:
+    """The quiet tenant's (think time, prompt) in order and the noisy tenant's (arrival, prompt) by arrival;
+    the same draws in every run (the noisy list is empty without it)."""
     rng = random.Random(spec.seed)
-    items = [(t, QUIET, spec.quiet_prompt, spec.quiet_max_tokens)
-             for t in arrivals(spec.quiet_rate, spec.duration_s, rng)]
-    noisy = [(t, NOISY, spec.noisy_prompt, spec.noisy_max_tokens)
-             for t in arrivals(spec.quiet_rate * spec.noisy_factor, spec.duration_s, rng)]
-    items += noisy if with_noisy else []
-    out = []
-    for t, tenant, (lo, hi), max_tokens in sorted(items):
-        prng = random.Random(hash((spec.seed, round(t, 9), tenant)))
-        out.append((t, tenant, [prng.randrange(vocab_size) for _ in range(prng.randint(lo, hi))], max_tokens))
-    return out
+    gaps, total = [], 0.0
+    while total < spec.duration_s:
+        gaps.append(rng.expovariate(spec.quiet_rate))
+        total += gaps[-1]
+    noisy = arrivals(spec.quiet_rate * spec.noisy_factor, spec.duration_s, rng) if with_noisy else []
+
+    def prompt(key: tuple, lo_hi: tuple[int, int]) -> list[int]:
+        prng = random.Random(hash((spec.seed, *key)))
+        return [prng.randrange(vocab_size) for _ in range(prng.randint(*lo_hi))]
+
+    return ([(g, prompt((QUIET, i), spec.quiet_prompt)) for i, g in enumerate(gaps)],
+            [(t, prompt((NOISY, i), spec.noisy_prompt)) for i, t in enumerate(noisy)])
 
 
-async def _client(llm: AsyncLLM, items, spec: FairnessSpec) -> tuple[list[Record], float]:
+async def _client(llm: AsyncLLM, quiet, noisy, spec: FairnessSpec) -> tuple[list[Record], float]:
+    """The noisy tenant open loop (each request at its arrival time), the quiet one as one interactive
+    user: its next request a think time after the last one ended, while the window lasts."""
     start = time.perf_counter()
     records: list[Record] = []
-    tasks = []
 
-    async def one(arrival: float, tenant: int, ids: list[int], max_tokens: int) -> None:
-        await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
+    async def one(tenant: int, ids: list[int], max_tokens: int) -> None:
         rec = Record(tenant, time.perf_counter() - start)
         records.append(rec)
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -132,16 +139,27 @@ async def _client(llm: AsyncLLM, items, spec: FairnessSpec) -> tuple[list[Record
                 rec.first_s = now
             rec.token_times.extend([now] * len(out.delta_token_ids))
 
-    for item in items:
-        tasks.append(asyncio.create_task(one(*item)))
+    async def at(arrival: float, ids: list[int]) -> None:
+        await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
+        await one(NOISY, ids, spec.noisy_max_tokens)
+
+    async def user() -> None:
+        for gap, ids in quiet:
+            await asyncio.sleep(gap)
+            if time.perf_counter() - start >= spec.duration_s:
+                return
+            await one(QUIET, ids, spec.quiet_max_tokens)
+
+    tasks = [asyncio.create_task(at(t, ids)) for t, ids in noisy]
+    quiet_user = asyncio.create_task(user())
     await asyncio.sleep(spec.duration_s)
-    deadline = time.perf_counter() + DRAIN_S
-    while time.perf_counter() < deadline and any(
-            r.first_s is None for r in records if r.tenant == QUIET):
-        await asyncio.sleep(0.1)
-    for task in tasks:
+    try:  # the quiet request still out when the window closes gets its first token (fcfs: at last)
+        await asyncio.wait_for(asyncio.shield(quiet_user), DRAIN_S)
+    except asyncio.TimeoutError:
+        pass
+    for task in [*tasks, quiet_user]:
         task.cancel()  # leaving generate() aborts the request
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.gather(*tasks, quiet_user, return_exceptions=True)
     return records, spec.duration_s
 
 
@@ -151,7 +169,7 @@ def run_one(name: str, policy: str, spec: FairnessSpec, *, with_noisy: bool, thr
                    max_num_seqs=spec.max_num_seqs, max_queue_wait_s=None, max_num_waiting_seqs=100_000,
                    max_num_waiting_tokens=1 << 40)
     vocab = llm.engine.model_config.vocab_size
-    items = plan(spec, vocab, with_noisy)
+    quiet, noisy = plan(spec, vocab, with_noisy)
     result: dict = {}
 
     def client() -> None:
@@ -161,7 +179,7 @@ def run_one(name: str, policy: str, spec: FairnessSpec, *, with_noisy: bool, thr
                                                        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)))
                                    for _ in range(spec.max_num_seqs)])
             result["preemptions_before"] = llm.engine.scheduler.num_preemptions
-            result["records"], result["duration"] = await _client(llm, items, spec)
+            result["records"], result["duration"] = await _client(llm, quiet, noisy, spec)
         try:
             asyncio.run(main())
         finally:
@@ -192,13 +210,14 @@ def run_all(spec: FairnessSpec, threads: int, dtype: str, repeats: int = REPEATS
 
 
 def pooled(runs: list[Run], name: str) -> Run:
-    """The runs called `name` as one: their records together, their windows end to end."""
+    """The runs called `name` as one: their records together, their windows end to end (tokens after a
+    run's window are left out, as in `Run.tokens_per_s`; TTFTs are kept whenever the first token came)."""
     mine = [r for r in runs if r.name == name]
     records = []
     for i, r in enumerate(mine):  # shift each run's times past the last one's window
         shift = i * r.duration_s
         records += [Record(x.tenant, x.arrival_s + shift, None if x.first_s is None else x.first_s + shift,
-                           [t + shift for t in x.token_times]) for x in r.records]
+                           [t + shift for t in x.token_times if t <= r.duration_s]) for x in r.records]
     return Run(name, records, sum(r.duration_s for r in mine), sum(r.num_preemptions for r in mine))
 
 
@@ -230,9 +249,11 @@ def write_report(out: Path, runs: list[Run], spec: FairnessSpec, *, command: str
         f"Command: `{command}` · commit {commit()} · {machine()} · CPU flags: {cpu_flags()} · dtype {dtype}, "
         f"{threads} engine threads",
         "",
-        f"Workload (`loraplex/bench/fairness.py`): {spec.duration_s:.0f} s of Poisson arrivals; quiet tenant "
-        f"{spec.quiet_rate:g} req/s, prompts {spec.quiet_prompt[0]}-{spec.quiet_prompt[1]} tokens, "
-        f"{spec.quiet_max_tokens} output tokens; noisy tenant {spec.noisy_factor:g}x that rate, prompts "
+        f"Workload (`loraplex/bench/fairness.py`): a {spec.duration_s:.0f} s window; the quiet tenant is one user "
+        f"who sends a request, waits for the answer and thinks for an exponential time of mean "
+        f"{1 / spec.quiet_rate:g} s ({spec.quiet_rate:g} req/s), prompts {spec.quiet_prompt[0]}-"
+        f"{spec.quiet_prompt[1]} tokens, {spec.quiet_max_tokens} output tokens; the noisy tenant sends Poisson "
+        f"arrivals at {spec.noisy_factor:g}x that rate, prompts "
         f"{spec.noisy_prompt[0]}-{spec.noisy_prompt[1]} tokens, {spec.noisy_max_tokens} output tokens "
         f"(past the engine's capacity, so its requests queue); greedy, `ignore_eos`; max_num_seqs "
         f"{spec.max_num_seqs}; no queue bound (nothing shed). TTFT from the client's call to its first token.",
