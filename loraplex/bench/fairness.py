@@ -37,7 +37,7 @@ from loraplex.engine.sampling_params import SamplingParams
 
 BIN_S = 5.0
 DRAIN_S = 300.0
-REPEATS = 2
+REPEATS = 5
 QUIET, NOISY = 1, 2  # tenant ids
 
 
@@ -45,7 +45,7 @@ QUIET, NOISY = 1, 2  # tenant ids
 class FairnessSpec:
     """The workload: rates in requests/s, token ranges inclusive."""
 
-    duration_s: float = 90.0
+    duration_s: float = 45.0
     quiet_rate: float = 0.4
     noisy_factor: float = 8.0
     quiet_prompt: tuple[int, int] = (128, 256)  # the noisy tenant's lengths: it differs only in rate and output
@@ -199,8 +199,9 @@ async def _drain(stream) -> None:
 
 
 def run_all(spec: FairnessSpec, threads: int, dtype: str, repeats: int = REPEATS) -> list[Run]:
-    """The quiet tenant alone, then fcfs and fair in turn, `repeats` times each (this VM's speed drifts
-    by about 10% between runs, so one pair alone does not tell a few percent of throughput apart)."""
+    """The quiet tenant alone, then fcfs and fair in turn, `repeats` times each: on this VM the same
+    policy's throughput varied by 10% from one 45 s run to the next, so a few pairs are pooled to tell a
+    few percent apart."""
     order = [("quiet alone", "fair", False)] + [(p, p, True) for _ in range(repeats) for p in ("fcfs", "fair")]
     runs = []
     for name, policy, noisy in order:

@@ -3,6 +3,8 @@ the /admin JSON API beside it unchanged."""
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 
@@ -113,3 +115,28 @@ def test_refusals_are_pages_and_the_json_api_is_unchanged(operator, dash_admin):
     assert tenants.status_code == 200 and tenants.json()["object"] == "list"
     assert dash_admin.get("/admin/engine").json()["quota_store"] == "ok"
     assert operator.get("/admin/tenants").status_code == 401
+
+
+def test_the_engine_panel_shows_each_tenants_share_of_the_batch_now(operator, dash_admin, dash_server):
+    import threading
+
+    t = factories.make_tenant(dash_admin, dash_server.url)
+    done = threading.Event()
+
+    def long_call():
+        try:
+            t.chat(max_tokens=200, ignore_eos=True)
+        finally:
+            done.set()
+
+    threading.Thread(target=long_call, daemon=True).start()
+    row = None
+    while not done.is_set() and row is None:
+        html = operator.get("/admin/ui/engine").text
+        m = re.search(rf'<tr data-share-tenant="{t.id}">(.*?)</tr>', html, re.S)
+        row = m and m.group(1)
+    assert row is not None, "the request ended before the panel showed it"
+    cells = re.findall(r'<td[^>]*>(.*?)</td>', row, re.S)
+    assert cells[0] == t.name and cells[1] == "1" and cells[2] == "0" and cells[4] == "1"
+    assert cells[3].startswith("100%")  # its one request is the whole batch
+    done.wait(120)

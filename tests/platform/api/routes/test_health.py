@@ -14,9 +14,17 @@ def test_health(server):
 
 def test_metrics(server, make_tenant):
     t = make_tenant(rpm=1)
-    assert t.chat(max_tokens=2).status_code == 200
+    ok = t.chat(max_tokens=2)
+    assert ok.status_code == 200
     assert t.chat(max_tokens=2).status_code == 429
     text = httpx.get(server.url + "/metrics").text
+    usage = ok.json()["usage"]  # the engine's per-tenant counters (by tenant id) agree with the usage
+    assert (f'loraplex_tenant_tokens_computed_total{{kind="prompt",tenant_id="{t.id}"}} '
+            f'{float(usage["prompt_tokens"])}') in text
+    assert (f'loraplex_tenant_tokens_computed_total{{kind="output",tenant_id="{t.id}"}} '
+            f'{float(usage["completion_tokens"])}') in text
+    assert f'loraplex_tenant_requests_waiting{{tenant_id="{t.id}"}} 0.0' in text
+    assert f'loraplex_tenant_requests_running{{tenant_id="{t.id}"}} 0.0' in text
     assert f'loraplex_requests_total{{endpoint="chat.completions",status="ok",tenant="{t.name}"}} 1.0' in text
     assert f'loraplex_requests_total{{endpoint="chat.completions",status="429",tenant="{t.name}"}} 1.0' in text
     assert f'loraplex_tokens_total{{kind="completion",tenant="{t.name}"}}' in text
