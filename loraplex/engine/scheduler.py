@@ -206,11 +206,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         priority = None
-        if self.fair is not None:  # running requests most deserving first, so the last is the victim
+        if self.fair is not None:  # the token budget goes first to the most urgent, least served tenants
             fair = self.fair
-            priority_of = fair.priorities(itertools.chain(self.running, self.waiting), self.clock())
-            self.running.sort(key=lambda r: (priority_of(r), fair.counter(r.tenant_id), r.admission_seq))
-            priority = priority_of
+            priority = fair.priorities(itertools.chain(self.running, self.waiting), self.clock())
+            self.running.sort(key=lambda r: (priority(r), fair.counter(r.tenant_id), r.admission_seq))
         for req in list(self.running):
             if budget == 0:
                 break
@@ -218,7 +217,10 @@ class Scheduler:
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.block_manager.allocate(req, num_new):
-                victim = self.running[-1]
+                victim = self.running[-1] if priority is None else self._kv_victim(priority)
+                budget += out.num_scheduled_tokens.pop(victim.request_id, 0)
+                if victim in out.requests:
+                    out.requests.remove(victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
@@ -241,6 +243,13 @@ class Scheduler:
             for req in [r for r in self.waiting if r.adapter in failed]:
                 self._end_for_adapter(req, out, f"could not be loaded: {failed[req.adapter]}")
         return out
+
+    def _kv_victim(self, priority: Callable[[Request], int]) -> Request:
+        """Under "fair", the running request that gives up its KV blocks: the least urgent, then the newest
+        (vLLM's priority policy), whatever its tenant. It loses the least work; taking from the most-served
+        tenant instead made two tenants whose requests do not fit together take turns preempting each other
+        (test_fair_share.py). Fair share preempts at admission (`_admit_fair`)."""
+        return max(self.running, key=lambda r: (priority(r), r.admission_seq))
 
     def _schedule(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         """Run `num_new` tokens of `req` in this step (charged to its tenant under fair share)."""
@@ -305,6 +314,8 @@ class Scheduler:
                     starved_only: bool = False) -> tuple[int, list[Request]]:
         """Admit waiting requests in fair-share order (`FairShare.order`), preempting for them where the
         policy allows (`FairShare.victim`); starved_only: only those of tenants with no running request.
+        With the step's token budget spent, a starved tenant's request is still admitted (with no tokens
+        this step; the next step's running loop serves it before the tenants with larger counters).
         Returns how many it looked at and left in the queue, and the waiting requests in the order the
         adapter manager should see them (those first)."""
         static = self.cfg.static_batching
@@ -312,12 +323,14 @@ class Scheduler:
         left: list[Request] = []  # looked at and left: no slot for the adapter, or no KV room
         rest: list[Request] = []
         admitted: set[Request] = set()
-        order = self.fair.order(self.waiting, priority)
+        just_preempted = set(out.preempted)  # for KV room in this step: not taken back in the same step
+        order = (r for r in self.fair.order(self.waiting, priority) if r not in just_preempted)
         for req in order:
-            if budget == 0 and not static:
+            starved = not self.fair.tenants[req.tenant_id].num_running
+            if budget == 0 and not static and not starved:
                 rest.append(req)
                 break
-            if starved_only and self.fair.tenants[req.tenant_id].num_running:
+            if starved_only and not starved:
                 rest.append(req)
                 continue
             if req.adapter is not None and not self.adapters.can_acquire(req.adapter):

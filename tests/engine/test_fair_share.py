@@ -285,3 +285,33 @@ def test_engine_config_checks_the_policy():
         EngineConfig(priority_aging_s=0)
     with pytest.raises(ValueError, match="priority"):
         SamplingParams(priority=2**40)
+
+
+def test_a_request_preempted_for_kv_room_is_not_taken_back_in_the_same_step():
+    # two tenants, one request each, a KV cache too small for both to grow: fcfs preempts 3 times
+    preemptions = {}
+    for policy in ("fcfs", "fair"):
+        sched = make(policy, num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
+        sched.add_request(req(0, 8, 16))
+        sched.add_request(req(1, 8, 16))
+        for _ in range(200):
+            out = run_step(sched)
+            assert not set(out.preempted) & set(out.requests)
+            if not sched.has_unfinished():
+                break
+        preemptions[policy] = sched.num_preemptions
+    assert preemptions["fair"] <= preemptions["fcfs"]
+
+
+def test_a_starved_tenant_is_admitted_when_running_prefills_spend_the_token_budget():
+    sched = make(max_num_seqs=2, max_num_batched_tokens=16)
+    for _ in range(4):
+        sched.add_request(req(0, 400, 50))
+    for _ in range(2):
+        run_step(sched)
+    quiet = req(1, 8, 4)
+    sched.add_request(quiet)
+    run_step(sched)
+    assert quiet.status == RequestStatus.RUNNING  # in the batch, though the budget was spent
+    out = run_step(sched)
+    assert out.num_scheduled_tokens[quiet.request_id] == 8  # served first in the next step
