@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraplex.bench.metrics import percentile
-from loraplex.bench.report import _plot, commit, cpu_flags, machine
+from loraplex.bench.report import _ms, _plot, _ratio, commit, cpu_flags, machine
 from loraplex.engine.async_llm import AsyncLLM
 from loraplex.engine.sampling_params import SamplingParams
 
@@ -222,10 +222,6 @@ def pooled(runs: list[Run], name: str) -> Run:
     return Run(name, records, sum(r.duration_s for r in mine), sum(r.num_preemptions for r in mine))
 
 
-def _ms(x: float | None) -> str:
-    return "–" if x is None else f"{x * 1e3:.0f}"
-
-
 def write_report(out: Path, runs: list[Run], spec: FairnessSpec, *, command: str, threads: int, dtype: str) -> None:
     """Each run's row, then the checks on the runs of each policy pooled (`pooled`); the plots show the
     first fcfs and fair runs."""
@@ -277,8 +273,8 @@ def write_report(out: Path, runs: list[Run], spec: FairnessSpec, *, command: str
         "",
         "| check (issue 19's \"done when\") | value | target |",
         "|---|---:|---|",
-        f"| quiet p99 TTFT, fair / quiet alone | {_x(p99['fair'], p99['quiet alone'])} | at most 3x |",
-        f"| quiet p99 TTFT, fair / fcfs | {_x(p99['fair'], p99['fcfs'])} | at most 0.5x |",
+        f"| quiet p99 TTFT, fair / quiet alone | {_ratio(p99['fair'], p99['quiet alone'])} | at most 3x |",
+        f"| quiet p99 TTFT, fair / fcfs | {_ratio(p99['fair'], p99['fcfs'])} | at most 0.5x |",
         f"| total output tokens/s, fair / fcfs | {'–' if ratio is None else f'{ratio:.3f}x'} "
         f"({fair.tokens_per_s():.1f} / {fcfs.tokens_per_s():.1f}) | at least 0.95x |",
         "",
@@ -289,7 +285,3 @@ def write_report(out: Path, runs: list[Run], spec: FairnessSpec, *, command: str
     ]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))
-
-
-def _x(a: float | None, b: float | None) -> str:
-    return "–" if a is None or not b else f"{a / b:.2f}x"

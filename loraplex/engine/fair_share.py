@@ -200,15 +200,19 @@ class FairShare:
                 best = r
         return best
 
+    def _active_weights(self) -> dict[int | None, float]:
+        """The weight of each tenant with requests."""
+        return {k: t.weight for k, t in self.tenants.items() if t.num_requests}
+
     def _row_shares(self) -> dict[int | None, float]:
-        active = {k: t.weight for k, t in self.tenants.items() if t.num_requests}
+        active = self._active_weights()
         total = sum(active.values())
         return {k: self.max_num_seqs * w / total for k, w in active.items()}
 
     def waiting_share(self, tenant_id: int | None, weight: float, bound: int) -> float:
         """Tenant `tenant_id`'s share of a waiting-queue bound (`Scheduler.has_room`), counting it among
         the tenants with requests."""
-        active = {k: t.weight for k, t in self.tenants.items() if t.num_requests}
+        active = self._active_weights()
         active[tenant_id] = weight
         return bound * weight / sum(active.values())
 

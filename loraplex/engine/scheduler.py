@@ -218,11 +218,7 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.block_manager.allocate(req, num_new):
                 victim = self.running[-1] if priority is None else self._kv_victim(priority)
-                budget += out.num_scheduled_tokens.pop(victim.request_id, 0)
-                if victim in out.requests:
-                    out.requests.remove(victim)
-                self._preempt(victim)
-                out.preempted.append(victim)
+                budget += self._preempt_in_step(out, victim)
                 if victim is req:
                     break
             if req.status != RequestStatus.RUNNING:
@@ -368,8 +364,11 @@ class Scheduler:
         """Preempt the running request that waiting `req` may take the place of (`FairShare.victim`);
         returns the tokens of this step's budget that gives back, or None when there is no such request."""
         victim = self.fair.victim(req, self.running, protected, priority)
-        if victim is None:
-            return None
+        return None if victim is None else self._preempt_in_step(out, victim)
+
+    def _preempt_in_step(self, out: SchedulerOutput, victim: Request) -> int:
+        """Preempt running `victim` while step `out` is being planned: it leaves the plan if it was in it,
+        and the tokens it had there (returned) go back to the step's budget."""
         freed = out.num_scheduled_tokens.pop(victim.request_id, 0)
         if freed:
             out.requests.remove(victim)

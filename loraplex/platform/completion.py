@@ -124,7 +124,7 @@ class Completions:
         if any(not p for p in prompts):
             raise invalid_request("The prompt is empty.", param=prompt_param_of(kind))
         max_tokens = check_lengths(self.engine, self.settings, kind, body, prompts)
-        priority = check_priority(body, caller)
+        priority = call_priority(body, caller)
         params = sampling_params(self.engine.model_config.vocab_size, body, len(prompts), max_tokens, priority)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         return Completion(kind, body, tuple(prompts), max_tokens, tuple(params), request_id, int(time.time()),
@@ -260,7 +260,7 @@ def check_lengths(eng: EngineClient, settings: Settings, kind: str, body: ChatCo
     return requested
 
 
-def check_priority(body: ChatCompletionRequest | CompletionRequest, caller: Caller) -> int:
+def call_priority(body: ChatCompletionRequest | CompletionRequest, caller: Caller) -> int:
     """The call's priority: the body's, or the tenant's default; 400 naming `priority` when the body asks
     for one more urgent than the tenant's `min_priority` (a quota field an admin sets)."""
     if body.priority is None:
