@@ -29,10 +29,19 @@ from pathlib import Path
 import torch
 
 from loraplex.adapters.host_cache import HostCache
-from loraplex.adapters.peft import AdapterError, LoRAAdapter, ReadPlan, load_peft_adapter, read_planned
+from loraplex.adapters.peft import (
+    CONFIG_NAME,
+    SAFETENSORS_NAME,
+    AdapterError,
+    LoRAAdapter,
+    ReadPlan,
+    load_peft_adapter,
+    read_planned,
+)
 from loraplex.adapters.slot_buffers import SlotBuffers
 from loraplex.adapters.slot_pages import SlotPages
 from loraplex.adapters.stats import TierStats
+from loraplex.adapters.store import content_digest
 from loraplex.model_config import LORA_PAGE_ROWS, ModelConfig
 
 PREFETCH_LOOKAHEAD = 32  # waiting requests whose adapters are prefetched
@@ -44,12 +53,14 @@ class AdapterInUseError(RuntimeError):
 
 @dataclass(frozen=True)
 class Registered:
-    """A registered adapter: its directory, how to read it without parsing (None: parse again), and its
-    registration epoch (a load started for an earlier registration of the name is dropped)."""
+    """A registered adapter: its directory, how to read it without parsing (None: parse again), its
+    registration epoch (a load started for an earlier registration of the name is dropped) and its files'
+    content digest (`store.content_digest`: the identity prefix caching keys its K/V by)."""
 
     path: Path
     read_plan: ReadPlan | None
     epoch: int
+    digest: str
 
 
 class AdapterManager:
@@ -84,21 +95,27 @@ class AdapterManager:
         return self.pages.slot_ranks
 
     # registry (disk tier) -------------------------------------------------------------------------
-    def register(self, name: str, path: str | Path, *, validated: bool = False) -> None:
+    def register(self, name: str, path: str | Path, *, validated: bool = False, digest: str | None = None) -> None:
         """Register the PEFT adapter directory `path` under `name`; its tensors load on first use.
 
         The directory is validated here (every check of `load_peft_adapter`, tensors dropped) unless
         `validated`: files checked already and unchanged since (the gateway's content-addressed store,
         checked at upload), which then get their checks once, on the load thread, at their first load,
-        and are read by the plan that load records afterwards. Raises AdapterError (bad adapter, nothing
-        registered) or ValueError if `name` is taken.
+        and are read by the plan that load records afterwards. digest: the files' `content_digest` (the
+        store's, which the gateway passes), the identity prefix caching keys this adapter's K/V by; None
+        computes it from the files when they are validated here, and otherwise (nothing is read) names this
+        registration alone, so its K/V are shared with no other registration. Raises AdapterError (bad
+        adapter, nothing registered) or ValueError if `name` is taken.
         """
         if name in self.registry:
             raise ValueError(f"adapter {name!r} is already loaded; unload it first")
         read_plan = None
+        epoch = next(self._epochs)
         if not validated:
             read_plan = load_peft_adapter(path, self.model_cfg, max_lora_rank=self.max_lora_rank).plan
-        self.registry[name] = Registered(Path(path), read_plan, next(self._epochs))
+            if digest is None:
+                digest = content_digest(Path(path, CONFIG_NAME).read_bytes(), Path(path, SAFETENSORS_NAME))
+        self.registry[name] = Registered(Path(path), read_plan, epoch, digest or f"registration-{epoch}")
         self.host.forget_failure(name)
 
     def unregister(self, name: str) -> None:
@@ -118,6 +135,10 @@ class AdapterManager:
 
     def __contains__(self, name: str) -> bool:
         return name in self.registry
+
+    def identity(self, name: str) -> str:
+        """What the K/V computed under adapter `name` depend on: its content digest. KeyError if unknown."""
+        return self.registry[name].digest
 
     # the scheduler's verbs ------------------------------------------------------------------------------
     def can_acquire(self, name: str) -> bool:

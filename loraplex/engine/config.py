@@ -35,6 +35,9 @@ class EngineConfig:
     Counter, with preemption for either; `loraplex.engine.fair_share`) or "fcfs" (arrival order; priority
     is ignored). priority_aging_s: under "fair", a waiting request's priority moves one level toward the
     most urgent one per this many seconds since it arrived (None: no aging, low priority may starve).
+    enable_prefix_caching: keep full KV blocks after their requests end and reuse them for a later
+    prompt that starts with the same tokens under the same weights (`loraplex.engine.block_manager`);
+    on by default, as in vLLM. Off for benchmarks that measure raw prefill.
     """
 
     max_num_seqs: int = 64
@@ -54,6 +57,7 @@ class EngineConfig:
     num_threads: int | None = None
     scheduling_policy: str = "fair"
     priority_aging_s: float | None = 10.0
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank"):

@@ -23,7 +23,7 @@ from torch import nn
 
 from loraplex import threads
 from loraplex.adapters.manager import AdapterInUseError, AdapterManager
-from loraplex.engine.block_manager import BlockManager, cdiv
+from loraplex.engine.block_manager import BASE_IDENTITY, BlockManager, cdiv
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.errors import EngineOverloadedError
@@ -116,7 +116,7 @@ class LLMEngine:
         num_blocks = self.config.num_kv_blocks or kv_bytes // block_bytes
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {kv_bytes} bytes is smaller than one KV block ({block_bytes} bytes)")
-        self.block_manager = BlockManager(num_blocks, self.config.block_size)
+        self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         cfg = self.config
         self.adapters = AdapterManager(self.model_config, max_lora_rank=cfg.max_lora_rank, max_loras=cfg.max_loras,
                                        max_cpu_loras=cfg.max_cpu_loras, dtype=self.dtype, device=self.device)
@@ -211,8 +211,9 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
         params.check_vocab(self.model_config.vocab_size)
         kwargs = {"request_id": request_id} if request_id is not None else {}
+        identity = BASE_IDENTITY if adapter is None else self.adapters.identity(adapter)
         req = Request(list(prompt_token_ids), params, adapter=adapter, tenant_id=tenant_id,
-                      tenant_weight=tenant_weight, **kwargs)
+                      tenant_weight=tenant_weight, kv_identity=identity, **kwargs)
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         return req
@@ -304,7 +305,7 @@ class LLMEngine:
         return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                              token_ids=list(req.output_token_ids), text=detok.text if detok else "",
                              finish_reason=req.finish_reason, adapter=req.adapter, error=req.error,
-                             adapter_failed=req.adapter_failed)
+                             adapter_failed=req.adapter_failed, num_cached_tokens=max(0, req.num_cached_tokens))
 
     def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
         detok = self.detokenizers[req.request_id]
@@ -321,7 +322,7 @@ class LLMEngine:
                              token_ids=token_ids, text=text, finish_reason=req.finish_reason,
                              adapter=req.adapter, ttft_s=ttft, latency_s=latency, delta_text=delta,
                              delta_token_ids=new_tokens, error=req.error,
-                             adapter_failed=req.adapter_failed)
+                             adapter_failed=req.adapter_failed, num_cached_tokens=max(0, req.num_cached_tokens))
 
 
 def _load_tokenizer(path: Path | None):

@@ -63,6 +63,13 @@ class Request:
     adapter_failed: bool = False  # that reason is its adapter's load or placement (nothing ran)
     num_charged_prompt_tokens: int = 0  # prompt positions charged to its tenant's fair-share counter
     admission_seq: int = -1  # when it last entered the batch, in admission order (fair share's "newest")
+    # prefix caching (`block_manager`): the weights its K/V depend on ("base" or its adapter's content
+    # digest; None: keyed by the adapter's name), its blocks' keys as far as computed, how many blocks of
+    # its table were offered to the cache, and the tokens found cached at its first admission (-1: not yet)
+    kv_identity: str | None = None
+    block_keys: list[bytes] = field(default_factory=list, repr=False)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = -1
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is None:
@@ -112,7 +119,9 @@ class RequestOutput:
     error: set when the engine ended the request because of a fault of its own (finish_reason "abort"):
     a failed adapter load, an exception in this request's sampling, stop check or detokenization, or a
     failed forward pass. None for a request aborted by its caller. adapter_failed: the error is its
-    adapter's load or placement, so nothing of it ran.
+    adapter's load or placement, so nothing of it ran. num_cached_tokens: prompt tokens whose K/V came
+    from the prefix cache at its first admission (0: none, or caching off; OpenAI's
+    `usage.prompt_tokens_details.cached_tokens`).
 
     The engine builds one output per request per step, so `token_ids` and `text` may be given as
     functions (an unfinished request's prefix of its output list, its detokenizer's `snapshot`) and are
@@ -121,13 +130,13 @@ class RequestOutput:
     """
 
     __slots__ = ("request_id", "prompt_token_ids", "_token_ids", "_text", "finish_reason", "adapter", "ttft_s",
-                 "latency_s", "delta_text", "delta_token_ids", "error", "adapter_failed")
+                 "latency_s", "delta_text", "delta_token_ids", "error", "adapter_failed", "num_cached_tokens")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  token_ids: list[int] | Callable[[], list[int]], text: str | Callable[[], str],
                  finish_reason: str | None, adapter: str | None, ttft_s: float | None = None,
                  latency_s: float | None = None, delta_text: str = "", delta_token_ids: list[int] | None = None,
-                 error: str | None = None, adapter_failed: bool = False):
+                 error: str | None = None, adapter_failed: bool = False, num_cached_tokens: int = 0):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self._token_ids = token_ids
@@ -140,6 +149,7 @@ class RequestOutput:
         self.delta_token_ids = [] if delta_token_ids is None else delta_token_ids
         self.error = error
         self.adapter_failed = adapter_failed
+        self.num_cached_tokens = num_cached_tokens
 
     @property
     def token_ids(self) -> list[int]:
@@ -167,7 +177,8 @@ class RequestOutput:
 
     def _fields(self) -> tuple:
         return (self.request_id, self.prompt_token_ids, self.token_ids, self.text, self.finish_reason, self.adapter,
-                self.ttft_s, self.latency_s, self.delta_text, self.delta_token_ids, self.error, self.adapter_failed)
+                self.ttft_s, self.latency_s, self.delta_text, self.delta_token_ids, self.error, self.adapter_failed,
+                self.num_cached_tokens)
 
     def __reduce__(self):  # pickled with its lists built (the functions of an unfinished one do not pickle)
         return RequestOutput, self._fields()

@@ -276,8 +276,8 @@ class Scheduler:
             if req.adapter is not None and not self.adapters.can_acquire(req.adapter):
                 skipped.append(self.waiting.popleft())
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.block_manager.allocate(req, num_new):
+            num_new = self._allocate_waiting(req, budget)
+            if num_new is None:
                 self.is_kv_limited = True
                 break
             if not self._acquire_adapter(req, out):
@@ -288,6 +288,24 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return len(skipped) + self.is_kv_limited
+
+    def _allocate_waiting(self, req: Request, budget: int) -> int | None:
+        """Blocks for waiting `req` (nothing computed): its cached prefix first (prefix caching), then up to
+        `budget` tokens after it. Returns the tokens to schedule now, or None (nothing taken) when the KV
+        cache is short. A hit counts as computed: it is neither prefilled nor charged to the tenant's
+        fair-share counter (served, not computed), while quotas still count the whole prompt (gateway)."""
+        bm = self.block_manager
+        hit = bm.computed_blocks(req)
+        num_cached = len(hit) * bm.block_size
+        num_new = min(req.num_tokens - num_cached, budget)
+        if not bm.allocate(req, num_new, hit):
+            return None
+        req.num_computed_tokens = num_cached
+        req.num_charged_prompt_tokens = max(req.num_charged_prompt_tokens, min(num_cached, req.num_prompt_tokens))
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_cached
+        bm.record_query(req.num_tokens, num_cached)
+        return num_new
 
     def _start(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
@@ -338,14 +356,14 @@ class Scheduler:
                     rest.append(req)
                     break
                 budget += freed
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.block_manager.allocate(req, num_new):
+            num_new = self._allocate_waiting(req, budget)
+            while num_new is None:
                 freed = None if static else self._preempt_for(req, out, admitted, priority)
                 if freed is None:
                     self.is_kv_limited = True
                     break
                 budget += freed
-                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                num_new = self._allocate_waiting(req, budget)
             if self.is_kv_limited:
                 left.append(req)
                 break
@@ -390,6 +408,7 @@ class Scheduler:
             before = req.num_computed_tokens
             req.num_computed_tokens += sched.num_scheduled_tokens[rid]
             served[0] += max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - before)
+            self.block_manager.cache_full_blocks(req)
             token = tokens.get(rid)
             if token is None and rid not in errors:
                 continue  # a prefill chunk short of the prompt's end

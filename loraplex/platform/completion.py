@@ -55,7 +55,8 @@ class Completion:
     """One API call, checked and ready for the engine: built once by `prepare`, never changed after.
 
     prompts: the distinct prompts' token ids, each run body.n times; adapter: the tenant's name for the
-    adapter (None: the base model), engine_adapter its engine name, adapter_path its files; max_tokens
+    adapter (None: the base model), engine_adapter its engine name, adapter_path its files and
+    adapter_digest their content digest; max_tokens
     per choice; params one SamplingParams per sequence (prompt-major); created Unix seconds."""
 
     kind: str  # "chat" or "completion"
@@ -68,6 +69,7 @@ class Completion:
     adapter: str | None = None
     engine_adapter: str | None = None
     adapter_path: str | None = None
+    adapter_digest: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -128,7 +130,7 @@ class Completions:
         params = sampling_params(self.engine.model_config.vocab_size, body, len(prompts), max_tokens, priority)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         return Completion(kind, body, tuple(prompts), max_tokens, tuple(params), request_id, int(time.time()),
-                          target.adapter, target.engine_adapter, target.adapter_path)
+                          target.adapter, target.engine_adapter, target.adapter_path, target.adapter_digest)
 
     async def serve(self, request: Request, gate: QuotaGate, c: Completion) -> Response:
         """Admit, run and answer one prepared call (JSON or an SSE stream). Its adapter, if any, is held from
@@ -175,6 +177,7 @@ class Completions:
             try:
                 gen = await Generation.start(engine, prompts, list(c.params), c.engine_adapter, c.request_id,
                                              caller.tenant_id, adapter_path=c.adapter_path,
+                                             adapter_digest=c.adapter_digest,
                                              stream=bool(c.body.stream), tenant_weight=caller.share.weight)
             finally:
                 engine.stop_admitting(request.scope.setdefault("state", {}))

@@ -48,12 +48,13 @@ def adapter_card(base_model: str, row: Adapter) -> AdapterCard:
 @dataclass(frozen=True)
 class Target:
     """What a request's `model` names: the base model (all None) or one of the caller's adapters, by the
-    tenant's name for it, its engine name (`adapter_names.engine_name`) and its files (None: the store
-    lacks them)."""
+    tenant's name for it, its engine name (`adapter_names.engine_name`), its files (None: the store
+    lacks them) and their content digest (the identity prefix caching keys its K/V by)."""
 
     adapter: str | None = None
     engine_adapter: str | None = None
     adapter_path: str | None = None
+    adapter_digest: str | None = None
 
 
 @dataclass(eq=False)
@@ -85,7 +86,7 @@ class TenantAdapters:
             path = str(self.path(row))
         except KeyError:
             path = None
-        return Target(row.name, engine_name(tenant_id, row.name, row.digest), path)
+        return Target(row.name, engine_name(tenant_id, row.name, row.digest), path, row.digest)
 
     # adding ------------------------------------------------------------------------------------------
     def check_name(self, name: object) -> str:

@@ -215,3 +215,63 @@ def test_fair_share_and_priority_preemptions_give_the_same_tokens(model_path, pe
         expected = peft_generate(model, ids, r.adapter, MAX_NEW)
         assert r.output_token_ids[: len(expected)] == expected
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+SYSTEM = ("You are the assistant of a small travel company. Answer in one short sentence, politely, and never "
+          "invent prices, dates or places. If a question is not about travel, answer it briefly anyway. ") * 3
+
+
+def system_chat_ids(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
+                                        add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_prefix_caching_gives_the_same_tokens_as_caching_off(model_path, peft_model, tokenizer):
+    """Base and adapter rows in one batch share a system prompt, prefilled in chunks, with a KV cache small
+    enough that requests are preempted and cached blocks evicted and computed again: every row's greedy
+    tokens equal those of an engine without prefix caching."""
+    _, paths = peft_model
+    rows = [None, "qv-r8", "mlp-regex-r32", None, "exclude-r64", "qv-r8"]
+    first = [system_chat_ids(tokenizer, PROMPTS[i]) for i in range(6)]
+    # the second wave: new questions, then the first wave's prompts again (cached whole, or evicted)
+    waves = [(first, rows), ([system_chat_ids(tokenizer, PROMPTS[(i + 3) % 7]) for i in range(6)] + first[:4],
+                             rows + rows[:4])]
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    num_blocks = 3 * -(-len(first[0]) // 16)
+
+    def run(caching: bool):
+        llm = LLM(str(model_path), dtype="float32", max_loras=3, max_lora_rank=64, num_kv_blocks=num_blocks,
+                  block_size=16, max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=caching)
+        for name in ("qv-r8", "mlp-regex-r32", "exclude-r64"):
+            llm.load_adapter(name, paths[name])
+        return llm, [llm.generate(prompts, greedy, adapters=r) for prompts, r in waves]
+
+    cached, cached_outs = run(True)
+    plain, plain_outs = run(False)
+    for wave_on, wave_off in zip(cached_outs, plain_outs, strict=True):
+        for on, off in zip(wave_on, wave_off, strict=True):
+            assert on.token_ids == off.token_ids, f"adapter {on.adapter}"
+            assert off.num_cached_tokens == 0
+    bm = cached.engine.block_manager
+    assert cached.engine.scheduler.num_preemptions > 0 and bm.num_evicted_blocks > 0
+    # the system prompt's full blocks were served under each row's own weights, and some were evicted
+    assert sum(o.num_cached_tokens > 0 for o in cached_outs[1]) >= 4
+    assert bm.num_cached_hit_tokens > 0 and plain.engine.block_manager.num_cached_blocks == 0
+    bm.check()
+
+
+def test_an_adapter_loaded_again_with_new_weights_never_meets_its_old_blocks(model_path, peft_model, tokenizer):
+    model, paths = peft_model
+    llm = LLM(str(model_path), dtype="float32", max_loras=2, max_lora_rank=64, kv_cache_memory=64 << 20)
+    ids = system_chat_ids(tokenizer, PROMPTS[0])
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+    llm.load_adapter("tenant-adapter", paths["qv-r8"])
+    assert llm.generate([ids], greedy, adapters="tenant-adapter")[0].num_cached_tokens == 0
+    assert llm.generate([ids], greedy, adapters="tenant-adapter")[0].num_cached_tokens == len(ids) // 16 * 16
+    assert llm.generate([ids], greedy)[0].num_cached_tokens == 0  # the base model has its own blocks
+    llm.unload_adapter("tenant-adapter")
+    llm.load_adapter("tenant-adapter", paths["exclude-r64"])  # same name, new weights
+    out = llm.generate([ids], greedy, adapters="tenant-adapter")[0]
+    assert out.num_cached_tokens == 0
+    assert out.token_ids == peft_generate(model, ids, "exclude-r64", MAX_NEW)[: len(out.token_ids)]
