@@ -12,14 +12,18 @@ Blocks are granted in whole and given back the step a request finishes, is abort
 Prefix caching (vLLM's automatic prefix caching, with the adapter's weights in the key): once a block
 is full and its K/V are computed, it is registered under a key chained over the blocks before it,
 
-    key[-1] = sha256("loraplex-kv" | identity)        identity: "base", or the adapter's content digest
-    key[i]  = sha256(key[i-1] | tokens of block i)
+    key[-1] = sha256("loraplex-kv" | identity | scope)   identity: "base", or the adapter's content digest
+    key[i]  = sha256(key[i-1] | tokens of block i)       scope: the request's tenant, or "" (global)
 
 so a key names the block's tokens, every token before them and the weights their K/V came from. LoRA
 changes K and V, so blocks computed under one adapter never serve another or the base model; the
 identity is the adapter's files' digest, not its name, so an adapter uploaded again under the same name
 with new weights never meets the old blocks (vLLM keyed by name and served stale K/V, vllm#42125).
 sha256 keys make a collision as unlikely as a digest's (vLLM's `prefix_caching_hash_algo="sha256"`).
+
+Scope "tenant" (the default) shares blocks only among one tenant's requests: a shared cache would let a
+tenant learn from its `cached_tokens`, or from its time to first token, that another tenant sent a prompt
+(the side channel vLLM's per-request `cache_salt` closes). Scope "global" shares across tenants.
 
 A block is shared by reference count. When the count drops to zero a registered block keeps its K/V
 and key and joins an LRU of evictable blocks; a new request whose prompt starts with those tokens takes
@@ -39,6 +43,7 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
+from loraplex.engine.config import PREFIX_CACHE_SCOPES
 from loraplex.engine.request import Request
 
 BASE_IDENTITY = "base"
@@ -58,16 +63,21 @@ def kv_identity_of(req: Request) -> str:
 
 class BlockManager:
     """KV cache blocks: a free pool, reference counts and, with `enable_prefix_caching`, the cache of
-    full blocks by key. Says no by returning False, never by raising.
+    full blocks by key, shared within `scope` ("tenant" or "global"). Says no by returning False, never by
+    raising.
 
     num_cached_query_tokens / num_cached_hit_tokens: tokens of the requests admitted since start (prompt
     and, after a preemption, output) and the tokens of them found cached (vLLM's prefix cache queries
     and hits). num_evicted_blocks: cached blocks taken for other tokens since start."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 scope: str = "tenant"):
+        if scope not in PREFIX_CACHE_SCOPES:
+            raise ValueError(f"prefix cache scope must be one of {PREFIX_CACHE_SCOPES}, got {scope!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.scope = scope
         self.free_block_ids: deque[int] = deque(range(num_blocks))  # hold nothing anyone may look up
         self.evictable: OrderedDict[int, None] = OrderedDict()  # count 0, registered; oldest first
         self.ref_counts = [0] * num_blocks
@@ -103,10 +113,14 @@ class BlockManager:
         keys, bs = req.block_keys, self.block_size
         while len(keys) <= i:
             j = len(keys)
-            parent = keys[j - 1] if j else hashlib.sha256(f"loraplex-kv\0{kv_identity_of(req)}".encode()).digest()
+            parent = keys[j - 1] if j else self._root_key(req)
             tokens = array("q", req.token_ids_between(j * bs, (j + 1) * bs)).tobytes()
             keys.append(hashlib.sha256(parent + tokens).digest())
         return keys[i]
+
+    def _root_key(self, req: Request) -> bytes:
+        scope = f"tenant:{req.tenant_id}" if self.scope == "tenant" else ""
+        return hashlib.sha256(f"loraplex-kv\0{kv_identity_of(req)}\0{scope}".encode()).digest()
 
     def computed_blocks(self, req: Request) -> list[int]:
         """The longest run of cached blocks that starts `req`'s tokens, for a request with nothing computed.

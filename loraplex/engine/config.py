@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SCHEDULING_POLICIES = ("fair", "fcfs")
+PREFIX_CACHE_SCOPES = ("tenant", "global")
 
 
 @dataclass
@@ -37,7 +38,9 @@ class EngineConfig:
     most urgent one per this many seconds since it arrived (None: no aging, low priority may starve).
     enable_prefix_caching: keep full KV blocks after their requests end and reuse them for a later
     prompt that starts with the same tokens under the same weights (`loraplex.engine.block_manager`);
-    on by default, as in vLLM. Off for benchmarks that measure raw prefill.
+    on by default, as in vLLM. Off for benchmarks that measure raw prefill. prefix_cache_scope: "tenant"
+    (the default: blocks are shared only among one tenant's requests, so no tenant can tell from its
+    cached tokens or latency what another sent) or "global" (shared across tenants).
     """
 
     max_num_seqs: int = 64
@@ -58,6 +61,7 @@ class EngineConfig:
     scheduling_policy: str = "fair"
     priority_aging_s: float | None = 10.0
     enable_prefix_caching: bool = True
+    prefix_cache_scope: str = "tenant"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank"):
@@ -85,5 +89,8 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.priority_aging_s is not None and not self.priority_aging_s > 0:
             raise ValueError(f"priority_aging_s must be > 0 seconds or None, got {self.priority_aging_s}")
+        if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
+            raise ValueError(f"prefix_cache_scope must be one of {PREFIX_CACHE_SCOPES}, got "
+                             f"{self.prefix_cache_scope!r}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError("max_cpu_loras must be >= max_loras")

@@ -116,8 +116,8 @@ class LLMEngine:
         num_blocks = self.config.num_kv_blocks or kv_bytes // block_bytes
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {kv_bytes} bytes is smaller than one KV block ({block_bytes} bytes)")
-        self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         cfg = self.config
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.prefix_cache_scope)
         self.adapters = AdapterManager(self.model_config, max_lora_rank=cfg.max_lora_rank, max_loras=cfg.max_loras,
                                        max_cpu_loras=cfg.max_cpu_loras, dtype=self.dtype, device=self.device)
         base: list[nn.Linear] = []  # every layer's base projections, in LORA_FUSED_GROUPS order

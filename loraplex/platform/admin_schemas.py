@@ -136,9 +136,20 @@ class TenantEngineOut(BaseModel):
     weight: float | None
 
 
+class PrefixCacheOut(BaseModel):
+    """Prefix caching since start: tokens of admitted requests looked up and found (their KV blocks reused),
+    blocks held now (in use or evictable) and cached blocks evicted for other tokens."""
+
+    enabled: bool
+    num_query_tokens: int
+    num_hit_tokens: int
+    num_cached_blocks: int
+    num_evicted_blocks: int
+
+
 class EngineOut(BaseModel):
     """The engine's state: requests, KV cache blocks (usage 0..1), counters since start, the scheduling
-    policy and each tenant seen (`tenants`), and `adapters` (`AdapterManager.adapter_stats`: per tier
+    policy, the prefix cache, each tenant seen (`tenants`), and `adapters` (`AdapterManager.adapter_stats`: per tier
     capacity, occupancy, hits, misses, evictions, load times, and each adapter's tier under its engine
     name)."""
 
@@ -154,6 +165,7 @@ class EngineOut(BaseModel):
     num_generated_tokens: int
     num_preemptions: int
     scheduling_policy: Literal["fair", "fcfs"]
+    prefix_cache: PrefixCacheOut
     tenants: list[TenantEngineOut]
     adapters: dict
 

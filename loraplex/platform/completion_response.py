@@ -15,6 +15,7 @@ from loraplex.platform.openai_responses import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
+    PromptTokensDetails,
     TextChoice,
     TextCompletion,
     UsageBody,
@@ -45,7 +46,8 @@ def _raise_for_errors(c: Completion, gen: Generation) -> None:
 
 def usage_body(c: Completion, gen: Generation) -> UsageBody:
     n = gen.num_completion_tokens
-    return UsageBody(prompt_tokens=c.num_prompt_tokens, completion_tokens=n, total_tokens=c.num_prompt_tokens + n)
+    return UsageBody(prompt_tokens=c.num_prompt_tokens, completion_tokens=n, total_tokens=c.num_prompt_tokens + n,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=gen.num_cached_tokens(c.body.n)))
 
 
 def response_body(c: Completion, gen: Generation) -> ChatCompletion | TextCompletion:

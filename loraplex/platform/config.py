@@ -61,6 +61,8 @@ class Settings(BaseSettings):
     # "fair": priority, then fair share across tenants (VTC); "fcfs": arrival order (engine.fair_share)
     scheduling_policy: Literal["fair", "fcfs"] = "fair"
     priority_aging_s: float | None = Field(10.0, gt=0)
+    enable_prefix_caching: bool = True  # reuse full KV blocks across requests (engine.block_manager)
+    prefix_cache_scope: Literal["tenant", "global"] = "tenant"  # "global": tenants share cached blocks too
 
     # what one API call may ask, checked before anything is queued (400 naming the field)
     max_n: int = Field(16, ge=1)
@@ -117,7 +119,8 @@ class Settings(BaseSettings):
                       max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                       max_num_waiting_seqs=self.max_num_waiting_seqs,
                       max_num_waiting_tokens=self.max_num_waiting_tokens, max_queue_wait_s=self.max_queue_wait_s,
-                      scheduling_policy=self.scheduling_policy, priority_aging_s=self.priority_aging_s)
+                      scheduling_policy=self.scheduling_policy, priority_aging_s=self.priority_aging_s,
+                      enable_prefix_caching=self.enable_prefix_caching, prefix_cache_scope=self.prefix_cache_scope)
         if self.kv_cache_memory is not None:
             kwargs["kv_cache_memory"] = self.kv_cache_memory
         if self.num_threads is not None:

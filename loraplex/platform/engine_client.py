@@ -124,6 +124,9 @@ def engine_stats(core) -> dict:
         "num_generated_tokens": core.num_generated_tokens,
         "num_preemptions": core.scheduler.num_preemptions,
         "scheduling_policy": core.config.scheduling_policy,
+        "prefix_cache": {"enabled": bm.enable_prefix_caching, "num_query_tokens": bm.num_cached_query_tokens,
+                         "num_hit_tokens": bm.num_cached_hit_tokens, "num_cached_blocks": bm.num_cached_blocks,
+                         "num_evicted_blocks": bm.num_evicted_blocks},
         "tenants": core.scheduler.tenant_stats(),
         "adapters": core.adapters.adapter_stats(),
     }
@@ -141,6 +144,7 @@ class Choice:
         self.latency_s: float | None = None
         self.error: str | None = None
         self.adapter_failed = False  # the error is its adapter's load or placement: nothing of it ran
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (`RequestOutput`)
 
     @property
     def token_ids(self) -> list[int]:
@@ -194,6 +198,11 @@ class Generation:
     def num_completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
 
+    def num_cached_tokens(self, n: int) -> int:
+        """Prompt tokens the prefix cache served, each distinct prompt counted once as in `prompt_tokens`:
+        for choices prompt-major, `n` per prompt, the fewest of any of its choices."""
+        return sum(min(c.num_cached_tokens for c in self.choices[i:i + n]) for i in range(0, len(self.choices), n))
+
     @property
     def is_done(self) -> bool:
         return self._done.done()
@@ -219,6 +228,7 @@ class Generation:
         choice.latency_s = out.latency_s
         choice.error = out.error
         choice.adapter_failed = out.adapter_failed
+        choice.num_cached_tokens = out.num_cached_tokens
 
     async def batches(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
         """Everything that arrived since the last wake-up, (choice index, delta) in order, until every

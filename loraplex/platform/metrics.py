@@ -46,6 +46,14 @@ class EngineCollector:
                 loads.add_metric([tier], t["misses"])
         yield loads
         yield CounterMetricFamily("loraplex_engine_steps", "Engine steps", value=s["num_steps"])
+        cache = s.get("prefix_cache")
+        if cache is not None:  # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens
+            yield CounterMetricFamily("loraplex_prefix_cache_queries", "Tokens of the requests admitted, looked up "
+                                      "in the prefix cache", value=cache["num_query_tokens"])
+            yield CounterMetricFamily("loraplex_prefix_cache_hits", "Tokens found in the prefix cache (their KV "
+                                      "blocks reused, not computed)", value=cache["num_hit_tokens"])
+            yield GaugeMetricFamily("loraplex_prefix_cache_blocks", "KV cache blocks held by the prefix cache "
+                                    "(in use or evictable)", value=cache["num_cached_blocks"])
         yield from tenant_families(s.get("tenants", {}))
 
 

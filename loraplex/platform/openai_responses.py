@@ -11,10 +11,15 @@ from typing import Generic, Literal, TypeVar
 from pydantic import BaseModel
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV cache blocks came from the prefix cache
+
+
 class UsageBody(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 class AssistantMessage(BaseModel):

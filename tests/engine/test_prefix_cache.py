@@ -72,6 +72,15 @@ def test_blocks_are_keyed_by_the_weights_and_every_token_before_them():
     assert bm.computed_blocks(shifted) == []
 
 
+def test_blocks_are_shared_within_one_tenant_unless_the_scope_is_global():
+    for scope, shared in (("tenant", False), ("global", True)):
+        bm = BlockManager(16, BS, enable_prefix_caching=True, scope=scope)
+        admit(bm, req(range(9), tenant_id=1))
+        assert bm.computed_blocks(req(range(9), tenant_id=1)) != []
+        assert (bm.computed_blocks(req(range(9), tenant_id=2)) != []) is shared
+        assert (bm.computed_blocks(req(range(9))) != []) is shared  # no tenant (the LLM API) is one more
+
+
 def test_cached_blocks_are_evicted_only_when_the_free_pool_is_empty_tail_first():
     bm = BlockManager(6, BS, enable_prefix_caching=True)
     a = req(range(12))
@@ -115,11 +124,11 @@ def test_caching_off_never_registers_or_hits():
 
 
 # the scheduler ---------------------------------------------------------------------------------------
-def make(num_blocks=64, caching=True, **cfg):
+def make(num_blocks=64, caching=True, scope="tenant", **cfg):
     cfg.setdefault("max_num_seqs", 8)
     cfg.setdefault("max_num_batched_tokens", 64)
-    config = EngineConfig(block_size=BS, max_loras=4, enable_prefix_caching=caching, **cfg)
-    bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching)
+    config = EngineConfig(block_size=BS, max_loras=4, enable_prefix_caching=caching, prefix_cache_scope=scope, **cfg)
+    bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching, scope=scope)
     return Scheduler(config, bm, FakeAdapters(4)), bm
 
 
@@ -166,7 +175,7 @@ def test_a_preempted_request_gets_its_own_blocks_back():
 
 
 def test_cached_tokens_are_not_charged_to_the_tenants_fair_share_counter():
-    sched, bm = make()
+    sched, bm = make(scope="global")
     system = list(range(1, 41))
     a = req(system + [1], max_tokens=1, tenant_id=1)
     sched.add_request(a)
@@ -182,7 +191,7 @@ def test_cached_tokens_are_not_charged_to_the_tenants_fair_share_counter():
 def test_every_block_comes_back_under_churn_with_evictions(policy):
     # shared prefixes under several identities, a KV cache that forces preemptions and evictions, aborts
     rng = random.Random(5)
-    sched, bm = make(num_blocks=16, scheduling_policy=policy, max_num_seqs=4, max_num_batched_tokens=16)
+    sched, bm = make(num_blocks=16, scheduling_policy=policy, scope="global", max_num_seqs=4, max_num_batched_tokens=16)
     prefixes = [list(range(1, 1 + 4 * k)) for k in (2, 3, 5)]
     identities = ["base", "d1", "d2"]
     reqs = []

@@ -63,7 +63,9 @@ def test_a_poisoned_request_ends_alone(make_tenant, engine_service, gateway):
                                  "type": "server_error", "param": None, "code": "engine_error"}
     for before, after in zip(clean, mixed, strict=True):
         assert after["choices"][0]["message"]["content"] == before["choices"][0]["message"]["content"]
+        details = after["usage"].pop("prompt_tokens_details"), before["usage"].pop("prompt_tokens_details")
         assert after["usage"] == before["usage"]
+        assert details[0]["cached_tokens"] >= details[1]["cached_tokens"]  # the same prompts, cached since
     assert a.chat(content="Tell me a story.", max_tokens=4).status_code == 200  # a's next request is served
 
     def records(tenant_id):

@@ -197,6 +197,13 @@ class EnginePanel:
     tiers: list[Tier]
     scheduling_policy: str = "fair"
     shares: list[ShareRow] = field(default_factory=list)
+    prefix_cache: dict | None = None  # `engine_stats`'s "prefix_cache" (None: caching off)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Tokens found cached over tokens looked up since start (None: caching off or nothing looked up)."""
+        c = self.prefix_cache
+        return c["num_hit_tokens"] / c["num_query_tokens"] if c and c["num_query_tokens"] else None
 
 
 async def engine_panel(gw: Gateway, throughput: Throughput) -> tuple[EnginePanel, dict[str, str]]:
@@ -211,7 +218,8 @@ async def engine_panel(gw: Gateway, throughput: Throughput) -> tuple[EnginePanel
         max_num_seqs=gw.engine.llm.engine.config.max_num_seqs, kv_cache_usage=stats["kv_cache_usage"],
         num_kv_blocks=stats["num_kv_blocks"], num_free_kv_blocks=stats["num_free_kv_blocks"],
         num_preemptions=stats["num_preemptions"], tokens_per_s=throughput.rate(stats["num_generated_tokens"]),
-        tiers=tiers, scheduling_policy=stats["scheduling_policy"], shares=await share_rows(gw, stats["tenants"]))
+        tiers=tiers, scheduling_policy=stats["scheduling_policy"], shares=await share_rows(gw, stats["tenants"]),
+        prefix_cache=stats["prefix_cache"] if stats["prefix_cache"]["enabled"] else None)
     return panel, stats["adapters"]["adapters"]
 
 

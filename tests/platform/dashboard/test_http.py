@@ -140,3 +140,20 @@ def test_the_engine_panel_shows_each_tenants_share_of_the_batch_now(operator, da
     assert cells[0] == t.name and cells[1] == "1" and cells[2] == "0" and cells[4] == "1"
     assert cells[3].startswith("100%")  # its one request is the whole batch
     done.wait(120)
+
+
+def test_the_engine_panel_shows_the_prefix_cache_hit_rate(operator, dash_admin, dash_server):
+    t = factories.make_tenant(dash_admin, dash_server.url)
+    system = "You answer questions about the weather in exactly one sentence. " * 12
+    for question in ("Is it sunny?", "Will it rain?"):
+        r = t.client.post("/v1/chat/completions", json={
+            "model": factories.BASE_MODEL, "max_tokens": 1, "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]})
+        assert r.status_code == 200
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    cache = dash_admin.get("/admin/engine").json()["prefix_cache"]
+    html = operator.get("/admin/ui/engine").text
+    shown = re.search(r'data-stat="prefix_cache_hit_rate">([^<]*)<', html).group(1)
+    rate = cache["num_hit_tokens"] / cache["num_query_tokens"]
+    assert shown == f"{100 * rate:.0f}%"
+    assert f'{cache["num_hit_tokens"]:,} of {cache["num_query_tokens"]:,} prompt tokens' in html

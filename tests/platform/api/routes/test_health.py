@@ -19,8 +19,9 @@ def test_metrics(server, make_tenant):
     assert t.chat(max_tokens=2).status_code == 429
     text = httpx.get(server.url + "/metrics").text
     usage = ok.json()["usage"]  # the engine's per-tenant counters (by tenant id) agree with the usage
+    computed = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]  # a cached prefix is not
     assert (f'loraplex_tenant_tokens_computed_total{{kind="prompt",tenant_id="{t.id}"}} '
-            f'{float(usage["prompt_tokens"])}') in text
+            f'{float(computed)}') in text
     assert (f'loraplex_tenant_tokens_computed_total{{kind="output",tenant_id="{t.id}"}} '
             f'{float(usage["completion_tokens"])}') in text
     assert f'loraplex_tenant_requests_waiting{{tenant_id="{t.id}"}} 0.0' in text
@@ -31,5 +32,6 @@ def test_metrics(server, make_tenant):
     for name in ("loraplex_time_to_first_token_seconds_bucket", "loraplex_time_per_output_token_seconds_bucket",
                  "loraplex_num_requests_waiting", "loraplex_num_requests_running", "loraplex_kv_cache_usage",
                  "loraplex_adapter_hits_total", "loraplex_adapter_misses_total", "loraplex_adapter_loads_total",
-                 "loraplex_adapter_evictions_total", "loraplex_adapters_resident"):
+                 "loraplex_adapter_evictions_total", "loraplex_adapters_resident", "loraplex_prefix_cache_queries_total",
+                 "loraplex_prefix_cache_hits_total", "loraplex_prefix_cache_blocks"):
         assert name in text, name
