@@ -9,6 +9,7 @@
     loraplex bench --preset adapter-paging-all    # the same with adapters on all seven projections
     loraplex bench --preset vllm --threads 1      # ours vs vLLM's CPU build (scripts/peer-vllm installs it)
     loraplex bench --preset fairness              # a noisy tenant beside a quiet one: fcfs vs fair scheduling
+    loraplex bench --preset prefix-cache          # shared system prompts and multi-turn chats, cache on vs off
 
 A preset is one main workload (setting S1, n adapters, Zipf alpha, rate R) that every system runs
 with the same prompts, then three sweeps of our engine: R (with static batching and base-only beside
@@ -142,7 +143,7 @@ class Bench:
         self.skipped: list[str] = []  # systems not run, each with why
         self.llm = LLM(preset.model, load_format=preset.load_format, dtype=preset.dtype, max_loras=preset.max_loras,
                        max_cpu_loras=preset.max_cpu_loras, max_lora_rank=64, max_num_seqs=preset.max_num_seqs,
-                       num_threads=threads)
+                       num_threads=threads, enable_prefix_caching=False)  # raw prefill, as the peers run
         model = self.llm.engine.model
         # Prompts are random token ids below the model's vocabulary (a dummy model has no tokenizer).
         preset.main = replace(preset.main, vocab_size=self.llm.engine.model_config.vocab_size)
@@ -222,7 +223,8 @@ class Bench:
 
             env = {"LORAPLEX_MAX_LORAS": str(self.preset.max_loras), "LORAPLEX_MAX_LORA_RANK": "64",
                    "LORAPLEX_MAX_NUM_SEQS": str(self.preset.max_num_seqs), "LORAPLEX_DTYPE": self.preset.dtype,
-                   "LORAPLEX_MODEL": self.preset.model, "LORAPLEX_NUM_THREADS": str(self.threads)}
+                   "LORAPLEX_MODEL": self.preset.model, "LORAPLEX_NUM_THREADS": str(self.threads),
+                   "LORAPLEX_ENABLE_PREFIX_CACHING": "false"}
             dirs = {name: self.adapter_dirs[name] for name in workload.adapters}
             records, stats = run_http(workload, dirs, engine_env=env, log_path=self.workdir / "server.log")
         else:
@@ -313,7 +315,7 @@ def _fmt(x: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="loraplex bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=sorted([*PRESETS, "fairness"]), default="small")
+    ap.add_argument("--preset", choices=sorted([*PRESETS, "fairness", "prefix-cache"]), default="small")
     ap.add_argument("--out", type=Path, help="report path (default docs/benchmarks/<preset>.md)")
     ap.add_argument("--trace", type=Path, help="JSONL trace to replay as the main workload")
     ap.add_argument("--systems", help="comma-separated subset of engine,static,peft,base,http for the main workload")
@@ -335,6 +337,16 @@ def main(argv: list[str] | None = None) -> int:
         out = args.out or Path("docs/benchmarks/fairness.md")
         runs = fairness.run_all(spec, args.threads, "auto")
         fairness.write_report(out, runs, spec, command=command, threads=args.threads, dtype="auto")
+        print(f"report written to {out}")
+        return 0
+    if args.preset == "prefix-cache":  # its own servers: one per setting (bench/prefix_cache.py)
+        from loraplex.bench import prefix_cache
+
+        spec = dataclasses.replace(prefix_cache.PrefixSpec(), seed=args.seed)
+        out = args.out or Path("docs/benchmarks/prefix-cache.md")
+        with tempfile.TemporaryDirectory(prefix="loraplex-bench-") as tmp:
+            runs = prefix_cache.run_all(spec, args.threads, Path(tmp))
+        prefix_cache.write_report(out, runs, spec, command=command, threads=args.threads)
         print(f"report written to {out}")
         return 0
     preset = PRESETS[args.preset]()

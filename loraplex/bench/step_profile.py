@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
 
         attention.cpu_ext.load = lambda: None
     llm = LLM("smollm2-135m-instruct", dtype=args.dtype, max_loras=16, max_cpu_loras=16, max_num_seqs=64,
-              num_threads=args.threads)
+              num_threads=args.threads, enable_prefix_caching=False)
     names = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(16):
