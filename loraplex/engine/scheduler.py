@@ -6,6 +6,8 @@ token budget is left. Per step:
 1. running requests first, oldest first; if the KV cache cannot hold a request's new tokens, the
    newest running request is preempted (blocks freed, recomputed later) until it can;
 2. then waiting requests in arrival order, while sequences, tokens, KV blocks and adapter slots last.
+   A waiting request takes its cached prefix first (prefix caching, `block_manager`) and is scheduled
+   only for the tokens after it.
    A request whose adapter cannot get a slot this step, or is still loading from disk, is skipped
    (vLLM's `max_loras` rule) and does not block the requests behind it; one that does not fit in the
    KV cache stops admission;
@@ -13,7 +15,8 @@ token budget is left. Per step:
    them from disk in arrival order, reserves pages for the oldest one that cannot get any (the policy
    that keeps a cold adapter from starving) and names the adapters whose load failed, whose waiting
    requests end here.
-After the forward pass, `update_from_output` appends each sampled token, applies the stop rules of
+After the forward pass, `update_from_output` registers the blocks the step filled in the prefix cache,
+appends each sampled token, applies the stop rules of
 `check_stop` and frees what finished requests hold (vLLM v1's split: the engine only calls the two).
 The scheduler sees the adapter manager through four methods only (`can_acquire`, `acquire`, `release`,
 `step`), the allocator verbs of the KV block manager plus the per-step hand-over.

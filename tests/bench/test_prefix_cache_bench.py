@@ -38,4 +38,4 @@ def test_numbers_of_a_run_and_of_pooled_runs(tmp_path):
     text = out.read_text()
     assert "| on #1 | 737 | 704 | 2000 | 300 | 0.15x |" in text
     assert "| output tokens/s | 1.67x |" in text  # 2.0 / 1.2
-    assert "text for text: yes" in text
+    assert "text for text: 3 of 3 (first turns: 2 of 2;" in text
