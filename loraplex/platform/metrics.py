@@ -52,6 +52,8 @@ class EngineCollector:
                                       "in the prefix cache", value=cache["num_query_tokens"])
             yield CounterMetricFamily("loraplex_prefix_cache_hits", "Tokens found in the prefix cache (their KV "
                                       "blocks reused, not computed)", value=cache["num_hit_tokens"])
+            yield CounterMetricFamily("loraplex_prefix_cache_evictions", "Cached KV blocks taken for other "
+                                      "tokens", value=cache["num_evicted_blocks"])
             yield GaugeMetricFamily("loraplex_prefix_cache_blocks", "KV cache blocks held by the prefix cache "
                                     "(in use or evictable)", value=cache["num_cached_blocks"])
         yield from tenant_families(s.get("tenants", {}))

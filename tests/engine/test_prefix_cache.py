@@ -133,8 +133,14 @@ def make(num_blocks=64, caching=True, scope="tenant", **cfg):
 
 
 def step(sched: Scheduler, bm: BlockManager, token=lambda r: 7):
-    """One step with a fake forward pass, through `update_from_output`; checks the invariant after it."""
+    """One step with a fake forward pass, through `update_from_output`; checks the invariant after it, and
+    that every slot the step writes is in a block of its own request alone that no key names yet."""
     out = sched.schedule()
+    for r in out.requests:
+        start = r.num_computed_tokens
+        for p in range(start, start + out.num_scheduled_tokens[r.request_id]):
+            block = r.block_table[p // BS]
+            assert bm.ref_counts[block] == 1 and bm.block_keys[block] is None, f"{r.request_id} writes block {block}"
     tokens = {r.request_id: token(r) for r in out.requests
               if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens}
     sched.update_from_output(out, tokens, {})

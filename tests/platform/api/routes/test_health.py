@@ -33,5 +33,6 @@ def test_metrics(server, make_tenant):
                  "loraplex_num_requests_waiting", "loraplex_num_requests_running", "loraplex_kv_cache_usage",
                  "loraplex_adapter_hits_total", "loraplex_adapter_misses_total", "loraplex_adapter_loads_total",
                  "loraplex_adapter_evictions_total", "loraplex_adapters_resident", "loraplex_prefix_cache_queries_total",
-                 "loraplex_prefix_cache_hits_total", "loraplex_prefix_cache_blocks"):
+                 "loraplex_prefix_cache_hits_total", "loraplex_prefix_cache_blocks",
+                 "loraplex_prefix_cache_evictions_total"):
         assert name in text, name
