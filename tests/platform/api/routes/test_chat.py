@@ -103,7 +103,9 @@ def test_streaming_chunks_and_usage(make_tenant):
     assert finish in (["stop"], ["length"])
     plain = t.chat(content="Say hi", max_tokens=6).json()
     assert text == plain["choices"][0]["message"]["content"]
+    cached = [u.pop("prompt_tokens_details")["cached_tokens"] for u in (usage_chunk["usage"], plain["usage"])]
     assert usage_chunk["usage"] == plain["usage"]
+    assert cached[1] >= cached[0]  # the same tenant's same prompt again: its full blocks are cached now
 
 
 def test_n_choices_and_seeded_sampling(make_tenant):
@@ -231,7 +233,7 @@ BAD_BODIES = [
     {"model": BASE_MODEL, "messages": [{"role": "user", "content": "x"}], "top_k": -2},
     {"model": BASE_MODEL, "messages": [{"role": "user", "content": "x"}], "seed": 1.5},
     {"model": BASE_MODEL, "messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}},
-    {"model": BASE_MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True},
+    {"model": BASE_MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
     {"model": BASE_MODEL, "messages": [{"role": "user", "content": "x" * 40_000}]},
     {"model": BASE_MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**12},
     {"model": BASE_MODEL, "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1},
