@@ -270,6 +270,9 @@ class LLMEngine:
         outputs = [self._last_output(req) for req in sched.aborted]
         self.num_generated_tokens += len(update.new_tokens)
         for req, token in update.new_tokens:
+            lp = result.logprobs.get(req.request_id)
+            if lp is not None:
+                req.output_logprobs.append(lp)
             try:
                 # A stop token is not detokenized; a stop string wins over length on the same token.
                 if (req.status != RequestStatus.FINISHED_STOPPED and self.tokenizer is not None
@@ -312,17 +315,25 @@ class LLMEngine:
         delta = detok.delta(req.is_finished)
         ttft = req.first_token_time - req.arrival_time if req.first_token_time else None
         latency = req.finish_time - req.arrival_time if req.finish_time else None
+        logprobs = delta_logprobs = None
         if req.is_finished:
             del self.detokenizers[req.request_id]
             self._forget(req)
             token_ids, text = list(req.output_token_ids), detok.text
+            if req.sampling_params.logprobs is not None:
+                logprobs = list(req.output_logprobs)
         else:  # built only if read: no per-step copy that grows with the output (RequestOutput)
             token_ids, text = output_prefix(req.output_token_ids), detok.snapshot()
+            if req.sampling_params.logprobs is not None:
+                logprobs = output_prefix(req.output_logprobs)
+        if req.sampling_params.logprobs is not None:
+            delta_logprobs = req.output_logprobs[len(req.output_logprobs) - len(new_tokens):]
         return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                              token_ids=token_ids, text=text, finish_reason=req.finish_reason,
                              adapter=req.adapter, ttft_s=ttft, latency_s=latency, delta_text=delta,
                              delta_token_ids=new_tokens, error=req.error,
-                             adapter_failed=req.adapter_failed, num_cached_tokens=max(0, req.num_cached_tokens))
+                             adapter_failed=req.adapter_failed, num_cached_tokens=max(0, req.num_cached_tokens),
+                             logprobs=logprobs, delta_logprobs=delta_logprobs)
 
 
 def _load_tokenizer(path: Path | None):

@@ -15,7 +15,7 @@ from loraplex.engine.attention import AttentionMetadata, PrefillChunk
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.model import LlamaModel
 from loraplex.engine.request import Request
-from loraplex.engine.sampler import sample_rows
+from loraplex.engine.sampler import TokenLogprobs, sample_rows
 from loraplex.engine.scheduler import SchedulerOutput
 from loraplex.kernels import build_lora_meta
 from loraplex.model_config import ModelConfig
@@ -30,10 +30,12 @@ def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dty
 @dataclass
 class StepResult:
     """What one step produced, by request id: the sampled token of each request whose tokens are now
-    all computed, or the exception its sampling raised (that request alone is ended)."""
+    all computed, or the exception its sampling raised (that request alone is ended), and the
+    log-probabilities of the tokens whose requests ask for them."""
 
     tokens: dict[str, int] = field(default_factory=dict)
     errors: dict[str, Exception] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -110,10 +112,12 @@ class ModelRunner:
         if not sampled:
             return result
         logits = self.model.compute_logits(hidden[rows])  # [B, V]
-        tokens, errors = sample_rows(logits, sampled, before_sample)
-        for req, token, error in zip(sampled, tokens, errors, strict=True):
+        tokens, errors, logprobs = sample_rows(logits, sampled, before_sample)
+        for req, token, error, lp in zip(sampled, tokens, errors, logprobs, strict=True):
             if error is None:
                 result.tokens[req.request_id] = token
+                if lp is not None:
+                    result.logprobs[req.request_id] = lp
             else:
                 result.errors[req.request_id] = error
         return result

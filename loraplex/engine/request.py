@@ -8,8 +8,12 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from loraplex.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from loraplex.engine.sampler import TokenLogprobs
 
 __all__ = ["FINISH_REASONS", "Request", "RequestOutput", "RequestStatus", "SamplingParams"]
 
@@ -50,6 +54,7 @@ class Request:
     tenant_weight: float = 1.0  # its tenant's fair-share weight (quota field `weight`) when it was queued
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list, repr=False)  # one per output token if asked
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -121,7 +126,8 @@ class RequestOutput:
     failed forward pass. None for a request aborted by its caller. adapter_failed: the error is its
     adapter's load or placement, so nothing of it ran. num_cached_tokens: prompt tokens whose K/V came
     from the prefix cache at its first admission (0: none, or caching off; OpenAI's
-    `usage.prompt_tokens_details.cached_tokens`).
+    `usage.prompt_tokens_details.cached_tokens`). logprobs: None unless `SamplingParams.logprobs` asked,
+    else one `sampler.TokenLogprobs` per token of `token_ids` (delta_logprobs: those of delta_token_ids).
 
     The engine builds one output per request per step, so `token_ids` and `text` may be given as
     functions (an unfinished request's prefix of its output list, its detokenizer's `snapshot`) and are
@@ -130,13 +136,15 @@ class RequestOutput:
     """
 
     __slots__ = ("request_id", "prompt_token_ids", "_token_ids", "_text", "finish_reason", "adapter", "ttft_s",
-                 "latency_s", "delta_text", "delta_token_ids", "error", "adapter_failed", "num_cached_tokens")
+                 "latency_s", "delta_text", "delta_token_ids", "error", "adapter_failed", "num_cached_tokens",
+                 "_logprobs", "delta_logprobs")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  token_ids: list[int] | Callable[[], list[int]], text: str | Callable[[], str],
                  finish_reason: str | None, adapter: str | None, ttft_s: float | None = None,
                  latency_s: float | None = None, delta_text: str = "", delta_token_ids: list[int] | None = None,
-                 error: str | None = None, adapter_failed: bool = False, num_cached_tokens: int = 0):
+                 error: str | None = None, adapter_failed: bool = False, num_cached_tokens: int = 0,
+                 logprobs: list | Callable[[], list] | None = None, delta_logprobs: list | None = None):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self._token_ids = token_ids
@@ -150,6 +158,8 @@ class RequestOutput:
         self.error = error
         self.adapter_failed = adapter_failed
         self.num_cached_tokens = num_cached_tokens
+        self._logprobs = logprobs
+        self.delta_logprobs = delta_logprobs
 
     @property
     def token_ids(self) -> list[int]:
@@ -160,6 +170,12 @@ class RequestOutput:
     @token_ids.setter
     def token_ids(self, value: list[int]) -> None:
         self._token_ids = value
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        if callable(self._logprobs):
+            self._logprobs = self._logprobs()
+        return self._logprobs
 
     @property
     def text(self) -> str:
@@ -178,7 +194,7 @@ class RequestOutput:
     def _fields(self) -> tuple:
         return (self.request_id, self.prompt_token_ids, self.token_ids, self.text, self.finish_reason, self.adapter,
                 self.ttft_s, self.latency_s, self.delta_text, self.delta_token_ids, self.error, self.adapter_failed,
-                self.num_cached_tokens)
+                self.num_cached_tokens, self.logprobs, self.delta_logprobs)
 
     def __reduce__(self):  # pickled with its lists built (the functions of an unfinished one do not pickle)
         return RequestOutput, self._fields()

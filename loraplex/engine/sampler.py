@@ -7,6 +7,10 @@ shared stream, so a request with a seed yields the same tokens whatever else is 
 preemption and recompute. Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) draws
 token i with probability p_i (the Gumbel-max trick in another form).
 
+Log-probabilities (`token_logprobs`, for rows whose params ask for them) are log_softmax of the row's
+logits in fp32, before temperature, top-k and top-p: vLLM's default `logprobs_mode="raw_logprobs"`, and
+what OpenAI's `logprobs` report.
+
 `sample_rows` isolates rows: when the batched call raises, each row is sampled alone, so a request
 whose sampling fails ends alone and every other row gets the token it would have got.
 """
@@ -14,12 +18,42 @@ whose sampling fails ends alone and every other row gets the token it would have
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from loraplex.engine.request import Request
 
 _MASK = 2**63 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One output token's log-probability (natural log, fp32) and the `SamplingParams.logprobs` most likely
+    tokens' as (token id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, requests: list[Request], tokens: list[int | None]
+                   ) -> list[TokenLogprobs | None]:
+    """logits: [B, V], tokens: each row's sampled token -> each row's `TokenLogprobs`, None for rows that
+    did not ask (or have no token)."""
+    out: list[TokenLogprobs | None] = [None] * len(requests)
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None and tokens[i] is not None]
+    if not rows:
+        return out
+    lp = torch.log_softmax(logits[rows].float(), dim=-1)  # [B', V]
+    chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=lp.device))[:, 0].tolist()
+    k = max(requests[i].sampling_params.logprobs for i in rows)
+    top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())  # [B', K]
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    for j, i in enumerate(rows):
+        n = requests[i].sampling_params.logprobs
+        out[i] = TokenLogprobs(tokens[i], chosen[j], tuple(zip(top_ids[j][:n], top_lp[j][:n], strict=True)))
+    return out
 
 
 def _row_seed(seed: int, index: int) -> int:
@@ -63,32 +97,37 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     return tokens
 
 
-def sample_rows(logits: torch.Tensor, requests: list[Request],
-                before: Callable[[Request], None] | None = None) -> tuple[list[int | None], list[Exception | None]]:
-    """`sample`, one row's failure ending that row alone. logits: [B, V] fp32.
+def sample_rows(logits: torch.Tensor, requests: list[Request], before: Callable[[Request], None] | None = None
+                ) -> tuple[list[int | None], list[Exception | None], list[TokenLogprobs | None]]:
+    """`sample` and `token_logprobs`, one row's failure ending that row alone. logits: [B, V] fp32.
 
-    Returns (tokens, errors): row i has a token and no error, or None and the exception its sampling
-    raised. `before(request)`, if given, runs before each row is sampled (`LLMEngine.inject_fault`); what
-    it raises counts as that row's failure.
+    Returns (tokens, errors, logprobs): row i has a token, no error and its logprobs (None unless asked),
+    or None, the exception its sampling raised and None. `before(request)`, if given, runs before each row
+    is sampled (`LLMEngine.inject_fault`); what it raises counts as that row's failure.
     """
     try:
         for req in requests if before is not None else ():
             before(req)
-        return sample(logits, requests), [None] * len(requests)
+        tokens = sample(logits, requests)
+        return tokens, [None] * len(requests), token_logprobs(logits, requests, tokens)
     except Exception:  # find the rows that fail; greedy and seeded rows give the same tokens alone
         pass
     tokens: list[int | None] = []
     errors: list[Exception | None] = []
+    logprobs: list[TokenLogprobs | None] = []
     for i, req in enumerate(requests):
         try:
             if before is not None:
                 before(req)
-            tokens.append(sample(logits[i:i + 1], [req])[0])
+            token = sample(logits[i:i + 1], [req])[0]
+            logprobs.append(token_logprobs(logits[i:i + 1], [req], [token])[0])
+            tokens.append(token)
             errors.append(None)
         except Exception as exc:
             tokens.append(None)
             errors.append(exc)
-    return tokens, errors
+            logprobs.append(None)
+    return tokens, errors, logprobs
 
 
 def _top_k_top_p(x: torch.Tensor, params) -> torch.Tensor:

@@ -22,6 +22,7 @@ MAX_STOP_LENGTH = 256  # characters per stop string (the detokenizer holds back 
 MAX_NUM_STOP_TOKEN_IDS = 64
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1  # vLLM takes any int; a 32-bit range is plenty
+MAX_LOGPROBS = 20  # top log-probabilities per output token (OpenAI's top_logprobs bound)
 
 
 class ParamError(ValueError):
@@ -79,6 +80,14 @@ def check_priority(v) -> int:
     return v
 
 
+def check_logprobs(v, name: str = "logprobs", upper: int = MAX_LOGPROBS) -> int | None:
+    """None (no log-probabilities) or the number of most likely tokens to report with each output token's,
+    0..upper."""
+    if v is not None and (not _is_int(v) or not 0 <= v <= upper):
+        raise ParamError(name, f"{name} must be an integer in [0, {upper}], got {v!r}")
+    return v
+
+
 def check_text(text: str, param: str) -> str:
     """`text` if it is valid Unicode; a lone UTF-16 surrogate (JSON's "\\ud800", which Python's JSON parser
     reads) cannot be encoded or tokenized: ParamError naming `param`."""
@@ -128,8 +137,10 @@ class SamplingParams:
     (the noise of output token n depends only on seed and n). stop strings end the text and are not
     included; stop_token_ids end generation like EOS (the token is not in the text); ignore_eos keeps
     generating to max_tokens (benchmarks). priority: lower runs first (vLLM's extension, default 0), under
-    the scheduler's "fair" policy (`loraplex.engine.fair_share`); "fcfs" ignores it. Raises ParamError (a
-    ValueError) for out-of-range values.
+    the scheduler's "fair" policy (`loraplex.engine.fair_share`); "fcfs" ignores it. logprobs: None, or
+    report each output token's log-probability with the `logprobs` most likely tokens' (0..20; vLLM's
+    field, its default "raw_logprobs": the model's logits before temperature, top-k and top-p;
+    `RequestOutput.logprobs`). Raises ParamError (a ValueError) for out-of-range values.
     """
 
     max_tokens: int = 16
@@ -141,6 +152,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     priority: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         check_max_tokens(self.max_tokens)
@@ -151,6 +163,7 @@ class SamplingParams:
         self.stop = check_stop(self.stop)
         self.stop_token_ids = check_stop_token_ids(self.stop_token_ids)
         check_priority(self.priority)
+        check_logprobs(self.logprobs)
 
     def check_vocab(self, vocab_size: int) -> None:
         """The checks that need the model: top_k and stop token ids against the vocabulary."""

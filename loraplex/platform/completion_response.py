@@ -11,13 +11,16 @@ from typing import TYPE_CHECKING
 
 from loraplex.platform.engine_client import Generation
 from loraplex.platform.errors import APIError, adapter_load_failed, shutting_down, unavailable
+from loraplex.platform.logprobs import chat_content, completion_logprobs
 from loraplex.platform.openai_responses import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
+    ChatLogprobs,
     PromptTokensDetails,
     TextChoice,
     TextCompletion,
+    TextLogprobs,
     UsageBody,
 )
 
@@ -52,12 +55,17 @@ def usage_body(c: Completion, gen: Generation) -> UsageBody:
 
 def response_body(c: Completion, gen: Generation) -> ChatCompletion | TextCompletion:
     _raise_for_errors(c, gen)
+    tokenizer, asked = gen.service.tokenizer, c.body.num_logprobs is not None
     if c.kind == "chat":
         return ChatCompletion(id=c.request_id, created=c.created, model=c.body.model, usage=usage_body(c, gen),
                               choices=[ChatChoice(index=i, message=AssistantMessage(content=ch.text),
-                                                  finish_reason=ch.finish_reason) for i, ch in enumerate(gen.choices)])
+                                                  logprobs=ChatLogprobs(content=chat_content(tokenizer, ch.logprobs))
+                                                  if asked else None, finish_reason=ch.finish_reason)
+                                       for i, ch in enumerate(gen.choices)])
     return TextCompletion(id=c.request_id, created=c.created, model=c.body.model, usage=usage_body(c, gen),
-                          choices=[TextChoice(index=i, text=ch.text, finish_reason=ch.finish_reason)
+                          choices=[TextChoice(index=i, text=ch.text, finish_reason=ch.finish_reason,
+                                              logprobs=TextLogprobs(**completion_logprobs(tokenizer, ch.logprobs))
+                                              if asked else None)
                                    for i, ch in enumerate(gen.choices)])
 
 
@@ -78,12 +86,22 @@ async def stream(c: Completion, gen: Generation, finalized: asyncio.Task):
     head = f"data: {json.dumps(base)[:-1]}, \"choices\": ["
     tail = ("], \"usage\": null}" if include_usage else "]}") + "\n\n"
 
+    tokenizer, asked = gen.service.tokenizer, c.body.num_logprobs is not None
+    pending: list[list] = [[] for _ in gen.choices]  # per choice: logprobs of tokens not yet in a chunk
+    sent = [0] * len(gen.choices)  # per choice: characters of text sent (completions' text_offset)
+
     def chunk(i: int, text: str | None, finish_reason: str | None, role: bool = False) -> str:
+        logprobs = None
+        if asked and not role and (pending[i] or finish_reason is None):
+            lps, pending[i] = pending[i], []
+            logprobs = ({"content": chat_content(tokenizer, lps)} if is_chat
+                        else completion_logprobs(tokenizer, lps, sent[i]))
+        sent[i] += len(text or "")
         if is_chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return head + json.dumps(choice) + tail
 
     try:
@@ -95,6 +113,8 @@ async def stream(c: Completion, gen: Generation, finalized: asyncio.Task):
                 if out.finish_reason == "abort":
                     parts.append(_sse(error_of(c, out.error, out.adapter_failed).body()))
                     continue
+                if asked:
+                    pending[i] += out.delta_logprobs or []
                 if out.delta_text:
                     parts.append(chunk(i, out.delta_text, None))
                 if out.finished:

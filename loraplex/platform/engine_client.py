@@ -154,6 +154,11 @@ class Choice:
     def text(self) -> str:
         return "" if self.output is None else self.output.text
 
+    @property
+    def logprobs(self) -> list:
+        """Each output token's `TokenLogprobs` (empty unless the request asked for them)."""
+        return (self.output.logprobs if self.output is not None else None) or []
+
 
 class Generation:
     """Engine requests for one API call (one per choice), queued all at once by `start`.

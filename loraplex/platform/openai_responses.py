@@ -27,10 +27,25 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+    refusal: None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -53,10 +68,19 @@ class ChatCompletion(_Completion[ChatChoice]):
     object: Literal["chat.completion"] = "chat.completion"
 
 
+class TextLogprobs(BaseModel):
+    """The legacy completions shape: per token its text, logprob, top alternatives and offset in the text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class TextChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: TextLogprobs | None = None
     finish_reason: str | None
 
 

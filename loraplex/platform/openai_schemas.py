@@ -27,6 +27,8 @@ from pydantic import (
 )
 
 from loraplex.engine.sampling_params import (
+    ParamError,
+    check_logprobs,
     check_max_tokens,
     check_priority,
     check_seed,
@@ -48,9 +50,10 @@ _RANGE_CHECKS = {
     "seed": check_seed,
     "priority": check_priority,
 }
-UNSUPPORTED_CHAT = {"logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none", "functions": [],
-                    "function_call": "none", "audio": None, "prediction": None}
-UNSUPPORTED_COMPLETION = {"echo": False, "logprobs": 0, "suffix": ""}
+UNSUPPORTED_CHAT = {"tools": [], "tool_choice": "none", "functions": [], "function_call": "none", "audio": None,
+                    "prediction": None}
+UNSUPPORTED_COMPLETION = {"echo": False, "suffix": ""}
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for `logprobs` of /v1/completions
 
 
 def _is_neutral(value, neutral) -> bool:
@@ -154,8 +157,8 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
     response_format: dict | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
     tools: list | None = None
     tool_choice: Any = None
     functions: list | None = None
@@ -181,11 +184,23 @@ class ChatCompletionRequest(SamplingFields):
     def _unsupported_chat(cls, v, info: ValidationInfo):
         return _refuse_unsupported(info, v, UNSUPPORTED_CHAT)
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("logprobs"):
+            raise ParamError("top_logprobs", "top_logprobs needs logprobs: true")
+        return check_logprobs(v, "top_logprobs")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """`SamplingParams.logprobs`: None (none asked), else the top log-probabilities per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: StrictInt | None = None
     suffix: str | None = None
     best_of: int | None = None
 
@@ -203,6 +218,15 @@ class CompletionRequest(SamplingFields):
     @classmethod
     def _unsupported_completion(cls, v, info: ValidationInfo):
         return _refuse_unsupported(info, v, UNSUPPORTED_COMPLETION)
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        return check_logprobs(v, "logprobs", MAX_COMPLETION_LOGPROBS)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("best_of")
     @classmethod

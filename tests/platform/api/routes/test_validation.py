@@ -46,7 +46,9 @@ def error_of(r, status: int = 400) -> dict:
     ({"logit_bias": {"1": 5}}, "logit_bias", "`logit_bias` is not supported by loraplex"),
     ({"frequency_penalty": 0.5}, "frequency_penalty", "`frequency_penalty` is not supported by loraplex"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "`tools` is not supported by loraplex"),
-    ({"logprobs": True}, "logprobs", "`logprobs` is not supported by loraplex"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be an integer in [0, 20], got 21"),
+    ({"top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
+    ({"logprobs": 1}, "logprobs", "logprobs: Input should be a valid boolean"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream_options is only allowed with stream: true"),
     ({"response_format": {"type": "json_object"}}, "response_format",
      "`response_format` of type 'json_object' is not supported by loraplex (only {\"type\": \"text\"})"),
@@ -88,6 +90,7 @@ def test_neutral_values_of_unsupported_fields_are_accepted(make_tenant):
 @pytest.mark.parametrize("body, param, message", [
     ({"echo": True}, "echo", "`echo` is not supported by loraplex"),
     ({"suffix": "x"}, "suffix", "`suffix` is not supported by loraplex"),
+    ({"logprobs": 6}, "logprobs", "logprobs must be an integer in [0, 5], got 6"),
     ({"best_of": 3}, "best_of", "`best_of` other than 1 or n is not supported by loraplex"),
     ({"prompt": [[1, 2], [3, VOCAB]]}, "prompt", f"Token ids must be in [0, {VOCAB})."),
     ({"prompt": ["ok", "\ud800"]}, "prompt",
