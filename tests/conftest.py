@@ -36,6 +36,15 @@ def hf_model(model_path):
 
 
 @pytest.fixture(scope="session")
+def plain_hf_model(model_path):
+    """A second transformers model on the same weights that no test wraps: the parity tests' PEFT fixtures
+    inject LoRA layers into `hf_model` in place, after which its plain forward runs their active adapter."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_path):
     from transformers import AutoTokenizer
 

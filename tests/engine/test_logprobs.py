@@ -49,22 +49,22 @@ def llm(model_path):
     return LLM(str(model_path), dtype="float32", max_loras=1, max_lora_rank=8, kv_cache_memory=32 << 20)
 
 
-def reference_logprobs(hf_model, prompt: list[int], output: list[int]) -> torch.Tensor:
+def reference_logprobs(plain_hf_model, prompt: list[int], output: list[int]) -> torch.Tensor:
     """[len(output), V]: transformers' log_softmax for each output token, given every token before it."""
     ids = torch.tensor([prompt + output])
     with torch.no_grad():
-        logits = hf_model(ids).logits[0, len(prompt) - 1:-1].float()
+        logits = plain_hf_model(ids).logits[0, len(prompt) - 1:-1].float()
     return torch.log_softmax(logits, dim=-1)
 
 
 @pytest.mark.slow
-def test_greedy_logprobs_match_transformers_and_the_token_is_the_argmax(llm, hf_model, tokenizer):
+def test_greedy_logprobs_match_transformers_and_the_token_is_the_argmax(llm, plain_hf_model, tokenizer):
     prompts = [chat_ids(tokenizer, "Name three colours."), chat_ids(tokenizer, "What is 2 + 3?")]
     params = [SamplingParams(max_tokens=8, temperature=0, logprobs=5), SamplingParams(max_tokens=8, temperature=0)]
     with_lp, without = llm.generate(prompts, params)
     assert without.logprobs is None  # a neighbour that did not ask gets none, and its tokens are its own
     assert without.token_ids == llm.generate([prompts[1]], params[1])[0].token_ids
-    ref = reference_logprobs(hf_model, prompts[0], with_lp.token_ids)
+    ref = reference_logprobs(plain_hf_model, prompts[0], with_lp.token_ids)
     assert len(with_lp.logprobs) == len(with_lp.token_ids)
     for i, (token, lp) in enumerate(zip(with_lp.token_ids, with_lp.logprobs, strict=True)):
         assert lp.token_id == token == ref[i].argmax().item()
@@ -75,10 +75,10 @@ def test_greedy_logprobs_match_transformers_and_the_token_is_the_argmax(llm, hf_
 
 
 @pytest.mark.slow
-def test_sampled_tokens_get_the_raw_logprobs_before_temperature(llm, hf_model, tokenizer):
+def test_sampled_tokens_get_the_raw_logprobs_before_temperature(llm, plain_hf_model, tokenizer):
     prompt = chat_ids(tokenizer, "Tell me a fun fact about owls.")
     out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=1.5, top_k=20, seed=3, logprobs=0))[0]
-    ref = reference_logprobs(hf_model, prompt, out.token_ids)
+    ref = reference_logprobs(plain_hf_model, prompt, out.token_ids)
     for i, lp in enumerate(out.logprobs):
         assert lp.top == () and lp.logprob == pytest.approx(ref[i, out.token_ids[i]].item(), abs=1e-4)
 

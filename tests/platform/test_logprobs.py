@@ -20,23 +20,23 @@ def client(server, make_tenant):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=make_tenant().key, max_retries=0)
 
 
-def greedy_reference(hf_model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+def greedy_reference(plain_hf_model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
     """transformers' greedy tokens after `prompt` and the log_softmax [n, V] each was picked from."""
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        out = plain_hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                 max_new_tokens=n, min_new_tokens=n, do_sample=False, output_scores=True,
                                 return_dict_in_generate=True)
     tokens = out.sequences[0, len(prompt):].tolist()
     return tokens, torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1)
 
 
-def test_chat_logprobs_are_transformers_log_softmax_and_the_greedy_token_is_the_argmax(client, hf_model, tokenizer):
+def test_chat_logprobs_are_transformers_log_softmax_and_the_greedy_token_is_the_argmax(client, plain_hf_model, tokenizer):
     r = client.chat.completions.create(model=BASE_MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
                                        logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
     content = r.choices[0].logprobs.content
     prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
-    tokens, ref = greedy_reference(hf_model, prompt, 6)
+    tokens, ref = greedy_reference(plain_hf_model, prompt, 6)
     assert len(content) == r.usage.completion_tokens == 6
     assert "".join(e.token for e in content) == r.choices[0].message.content == tokenizer.decode(tokens)
     for i, (e, token) in enumerate(zip(content, tokens, strict=True)):
