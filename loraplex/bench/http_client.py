@@ -166,8 +166,17 @@ def _check(r: httpx.Response, what: str) -> dict:
 def _set_up_tenants(admin: httpx.Client, workload: Workload, adapter_dirs: dict[str, Path]) -> dict[str, str]:
     """One unlimited tenant and key per workload tenant; each adapter uploaded to the tenants using it.
     Returns tenant name -> key."""
+    uses = {(r.tenant, r.adapter) for r in workload.requests}
+    return make_tenants(admin, {t: sorted(a for u, a in uses if u == t and a is not None) for t, _ in uses},
+                        adapter_dirs)
+
+
+def make_tenants(admin: httpx.Client, adapters: dict[str, list[str]], adapter_dirs: dict[str, Path]
+                 ) -> dict[str, str]:
+    """One unlimited tenant and key per name of `adapters`, in name order, each given its adapters (uploaded
+    from `adapter_dirs`) through the admin client `admin`. Returns tenant name -> key; raises on a failure."""
     keys = {}
-    for name in sorted({r.tenant for r in workload.requests}):
+    for name in sorted(adapters):
         tenant = _check(
             admin.post("/admin/tenants", json={"name": name, "quota": UNLIMITED}), f"tenant {name}"
         )
@@ -175,13 +184,12 @@ def _set_up_tenants(admin: httpx.Client, workload: Workload, adapter_dirs: dict[
             admin.post(f"/admin/tenants/{tenant['id']}/keys", json={"name": "bench"}), f"key of {name}"
         )
         keys[name] = key["key"]
-    for tenant, adapter in sorted(
-        {(r.tenant, r.adapter) for r in workload.requests if r.adapter is not None}
-    ):
-        directory = Path(adapter_dirs[adapter])
-        files = [("file", (n, (directory / n).read_bytes())) for n in ADAPTER_FILES]
-        r = admin.post("/v1/adapters", data={"name": adapter}, files=files, headers=_auth(keys[tenant]))
-        _check(r, f"upload of {adapter} for {tenant}")
+    for name in sorted(adapters):
+        for adapter in adapters[name]:
+            directory = Path(adapter_dirs[adapter])
+            files = [("file", (n, (directory / n).read_bytes())) for n in ADAPTER_FILES]
+            r = admin.post("/v1/adapters", data={"name": adapter}, files=files, headers=_auth(keys[name]))
+            _check(r, f"upload of {adapter} for {name}")
     return keys
 
 

@@ -220,24 +220,16 @@ def run_one(caching: bool, plan: Plan, spec: PrefixSpec, adapter_dirs: dict[str,
     """Start a server, make the tenants and upload their adapters, run both workloads, read its counters."""
     import httpx
 
-    from loraplex.bench.http_client import LOCAL, UNLIMITED, _auth, _check, serve_subprocess
+    from loraplex.bench.http_client import LOCAL, _auth, _check, make_tenants, serve_subprocess
 
     env = {"LORAPLEX_ENABLE_PREFIX_CACHING": "true" if caching else "false", "LORAPLEX_NUM_THREADS": str(threads),
            "LORAPLEX_MAX_QUEUE_WAIT_S": "3600", "LORAPLEX_DTYPE": spec.dtype}
+    names = [f"shop-{t}" for t in range(len(plan.adapters))]
     with serve_subprocess(env, log_path=log_path) as server:
         with httpx.Client(base_url=server.url, headers=_auth(server.admin_key), **LOCAL) as admin:
-            keys = []
-            for t, adapter in enumerate(plan.adapters):
-                tenant = _check(admin.post("/admin/tenants", json={"name": f"shop-{t}", "quota": UNLIMITED}),
-                                "tenant")
-                keys.append(_check(admin.post(f"/admin/tenants/{tenant['id']}/keys", json={"name": "bench"}),
-                                   "key")["key"])
-                if adapter is not None:
-                    d = adapter_dirs[adapter]
-                    files = [("file", (n, (d / n).read_bytes())) for n in ("adapter_config.json",
-                                                                            "adapter_model.safetensors")]
-                    _check(admin.post("/v1/adapters", data={"name": adapter}, files=files, headers=_auth(keys[-1])),
-                           "upload")
+            by_name = make_tenants(admin, {n: [a] if a else [] for n, a in zip(names, plan.adapters, strict=True)},
+                                   adapter_dirs)
+            keys = [by_name[n] for n in names]
             base_model = _check(admin.get("/admin/engine"), "engine")["model"]
             shared, turns, duration, before, after = asyncio.run(
                 _workloads(server.url, server.admin_key, keys, base_model, plan, spec))
