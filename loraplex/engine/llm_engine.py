@@ -315,19 +315,15 @@ class LLMEngine:
         delta = detok.delta(req.is_finished)
         ttft = req.first_token_time - req.arrival_time if req.first_token_time else None
         latency = req.finish_time - req.arrival_time if req.finish_time else None
-        logprobs = delta_logprobs = None
+        asked, lps = req.sampling_params.logprobs is not None, req.output_logprobs
         if req.is_finished:
             del self.detokenizers[req.request_id]
             self._forget(req)
-            token_ids, text = list(req.output_token_ids), detok.text
-            if req.sampling_params.logprobs is not None:
-                logprobs = list(req.output_logprobs)
+            token_ids, text, logprobs = list(req.output_token_ids), detok.text, list(lps) if asked else None
         else:  # built only if read: no per-step copy that grows with the output (RequestOutput)
             token_ids, text = output_prefix(req.output_token_ids), detok.snapshot()
-            if req.sampling_params.logprobs is not None:
-                logprobs = output_prefix(req.output_logprobs)
-        if req.sampling_params.logprobs is not None:
-            delta_logprobs = req.output_logprobs[len(req.output_logprobs) - len(new_tokens):]
+            logprobs = output_prefix(lps) if asked else None
+        delta_logprobs = lps[len(lps) - len(new_tokens):] if asked else None
         return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                              token_ids=token_ids, text=text, finish_reason=req.finish_reason,
                              adapter=req.adapter, ttft_s=ttft, latency_s=latency, delta_text=delta,

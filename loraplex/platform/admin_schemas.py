@@ -149,9 +149,9 @@ class PrefixCacheOut(BaseModel):
 
 class EngineOut(BaseModel):
     """The engine's state: requests, KV cache blocks (usage 0..1), counters since start, the scheduling
-    policy, the prefix cache, each tenant seen (`tenants`), and `adapters` (`AdapterManager.adapter_stats`: per tier
-    capacity, occupancy, hits, misses, evictions, load times, and each adapter's tier under its engine
-    name)."""
+    policy, the prefix cache, each tenant seen (`tenants`), and `adapters` (`AdapterManager.adapter_stats`:
+    per tier capacity, occupancy, hits, misses, evictions, load times, and each adapter's tier under its
+    engine name)."""
 
     model: str
     quota_store: Literal["ok", "degraded"]

@@ -186,11 +186,11 @@ class Generation:
     @classmethod
     async def start(cls, service: EngineClient, prompts: list[list[int]], params: list[SamplingParams],
                     adapter: str | None, request_id: str, tenant_id: int, adapter_path: str | None = None,
-                    adapter_digest: str | None = None,
-                    stream: bool = True, tenant_weight: float = 1.0) -> Generation:
+                    adapter_digest: str | None = None, stream: bool = True, tenant_weight: float = 1.0) -> Generation:
         """Queue the call's requests, all or none, registering `adapter` from `adapter_path` (the store's
-        validated files, whose content digest is `adapter_digest`) in the same engine command if the engine does not know it yet. Raises ValueError
-        (input the engine refuses) or EngineOverloadedError (its waiting queue is full) with nothing queued.
+        validated files, whose content digest is `adapter_digest`) in the same engine command if the engine
+        does not know it yet. Raises ValueError (input the engine refuses) or EngineOverloadedError (its
+        waiting queue is full) with nothing queued.
         stream=False: the deltas are not kept (each carries the output so far, so keeping all of them
         would hold memory quadratic in the output's length); only `choices` and `wait()` are used."""
         gen = cls(service, [f"{request_id}-{i}" for i in range(len(params))], stream)
