@@ -49,3 +49,22 @@ def tokenizer(model_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path)
+
+
+@pytest.fixture(scope="session")
+def trained_adapters(model_path, tmp_path_factory) -> dict:
+    """{name: directory} of adapters trained now with PEFT (examples/train_adapters.py, fp32) and written
+    by its save_pretrained: "upper" answers in upper case, "json" with a JSON object."""
+    import time
+
+    from examples.train_adapters import train_adapter
+    from tests.helpers import TRAINED_ADAPTER_STEPS
+
+    root = tmp_path_factory.mktemp("trained")
+    started = time.perf_counter()
+    paths = {
+        name: train_adapter(name, root, steps, seed=0, model_path=model_path, bf16=False)["path"]
+        for name, steps in TRAINED_ADAPTER_STEPS.items()
+    }
+    print(f"trained {', '.join(paths)} in {time.perf_counter() - started:.1f} s")
+    return paths

@@ -9,6 +9,8 @@ from loraplex.adapters.synthetic import write_random_adapter
 __all__ = ["chat_ids", "peft_generate", "write_random_adapter"]
 
 
+TRAINED_ADAPTER_STEPS = {"upper": 24, "json": 10}  # the `trained_adapters` fixture's; json is learnt in fewer steps
+
 def chat_ids(tokenizer, text: str) -> list[int]:
     """Token ids of one user message through the chat template, with the assistant prompt."""
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)

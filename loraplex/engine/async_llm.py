@@ -87,6 +87,7 @@ class AsyncLLM:
         engine thread, not two. The sink must not raise or block.
         """
         loop = asyncio.get_running_loop()
+        await self.compile_schemas(params)
         try:
             await self._call(self._add, prompts, params, adapter, (adapter_path, adapter_digest), request_ids,
                              tenant_id, tenant_weight, (loop, sink))
@@ -94,6 +95,14 @@ class AsyncLLM:
             # The add may run after we stop waiting; the queue is FIFO, so this abort comes after it.
             self.abort_nowait(*request_ids)
             raise
+
+    async def compile_schemas(self, params: list[SamplingParams], param: str = "json_schema") -> None:
+        """Compile the distinct `json_schema`s of `params` in a worker thread, off the step loop, so adding
+        their requests on the engine thread finds them cached (`StructuredOutputs.compile`). Raises its
+        ParamError, naming `param`, for a schema it refuses."""
+        schemas = {id(p.json_schema): p.json_schema for p in params if p.json_schema is not None}
+        for schema in schemas.values():
+            await asyncio.to_thread(self.engine.structured.compile, schema, param)
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
                        adapter: str | None = None, request_id: str | None = None,

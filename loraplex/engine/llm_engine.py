@@ -32,7 +32,8 @@ from loraplex.engine.model import LlamaModel
 from loraplex.engine.model_runner import ModelRunner, StepResult, kv_cache_bytes_per_block
 from loraplex.engine.request import Request, RequestOutput, RequestStatus, output_prefix
 from loraplex.engine.sampling_params import SamplingParams
-from loraplex.engine.scheduler import Scheduler, SchedulerOutput
+from loraplex.engine.scheduler import Scheduler, SchedulerOutput, is_stop_token
+from loraplex.engine.structured_output import StructuredOutputs
 from loraplex.kernels import attach_fused_shrink, pack_linears
 from loraplex.kernels.cpu_gemm import available_memory_bytes
 from loraplex.model_config import LORA_FUSED_GROUPS, ModelConfig
@@ -102,6 +103,7 @@ class LLMEngine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
 
         self.model = LlamaModel.build(self.model_config, self.dtype, self.device)
         if path is None:
@@ -216,6 +218,8 @@ class LLMEngine:
                       tenant_weight=tenant_weight, kv_identity=identity, **kwargs)
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if params.json_schema is not None:  # compiled already if it came through AsyncLLM (a cache hit)
+            req.grammar = self.structured.new_state(params.json_schema)
         return req
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -275,7 +279,7 @@ class LLMEngine:
                 req.output_logprobs.append(lp)
             try:
                 # A stop token is not detokenized; a stop string wins over length on the same token.
-                if (req.status != RequestStatus.FINISHED_STOPPED and self.tokenizer is not None
+                if (self.tokenizer is not None and not is_stop_token(req, token, self.eos_token_ids)
                         and self.detokenizers[req.request_id].add_token(token)):
                     if req.is_finished:
                         req.status = RequestStatus.FINISHED_STOPPED

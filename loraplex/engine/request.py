@@ -14,6 +14,7 @@ from loraplex.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from loraplex.engine.sampler import TokenLogprobs
+    from loraplex.engine.structured_output import GrammarState
 
 __all__ = ["FINISH_REASONS", "Request", "RequestOutput", "RequestStatus", "SamplingParams"]
 
@@ -75,6 +76,7 @@ class Request:
     block_keys: list[bytes] = field(default_factory=list, repr=False)
     num_registered_blocks: int = 0
     num_cached_tokens: int = -1
+    grammar: GrammarState | None = field(default=None, repr=False)  # its json_schema's matcher state, if any
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is None:

@@ -7,9 +7,13 @@ shared stream, so a request with a seed yields the same tokens whatever else is 
 preemption and recompute. Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) draws
 token i with probability p_i (the Gumbel-max trick in another form).
 
+A row with a grammar (`SamplingParams.json_schema`) is drawn from its logits with the tokens its grammar
+disallows set to -inf (`structured_output.apply_grammar_masks`, on a copy); other rows are not touched.
+
 Log-probabilities (`token_logprobs`, for rows whose params ask for them) are log_softmax of the row's
-logits in fp32, before temperature, top-k and top-p: vLLM's default `logprobs_mode="raw_logprobs"`, and
-what OpenAI's `logprobs` report.
+logits in fp32, after the grammar mask and before temperature, top-k and top-p: vLLM's default
+`logprobs_mode="raw_logprobs"`, and what OpenAI's `logprobs` report. Tokens a grammar excludes
+(log-probability -inf) are left out of a row's top list, which may then be shorter than asked.
 
 `sample_rows` isolates rows: when the batched call raises, each row is sampled alone, so a request
 whose sampling fails ends alone and every other row gets the token it would have got.
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.engine.request import Request
+from loraplex.engine.structured_output import apply_grammar_masks
 
 _MASK = 2**63 - 1
 
@@ -52,7 +57,8 @@ def token_logprobs(logits: torch.Tensor, requests: list[Request], tokens: list[i
     top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
     for j, i in enumerate(rows):
         n = requests[i].sampling_params.logprobs
-        out[i] = TokenLogprobs(tokens[i], chosen[j], tuple(zip(top_ids[j][:n], top_lp[j][:n], strict=True)))
+        top = tuple((t, p) for t, p in zip(top_ids[j][:n], top_lp[j][:n], strict=True) if p != float("-inf"))
+        out[i] = TokenLogprobs(tokens[i], chosen[j], top)
     return out
 
 
@@ -61,11 +67,18 @@ def _row_seed(seed: int, index: int) -> int:
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """logits: [B, V] fp32, row i for requests[i] -> one token id per row.
+    """logits: [B, V] fp32, row i for requests[i] -> one token id per row, rows with a grammar drawn from
+    their masked logits (`logits` itself is not changed).
 
     Raises ValueError when a row's logits are not all finite (NaN or Inf, e.g. from an adapter with
-    overflowing weights): no token can be drawn from them, and the request must not get an arbitrary one.
+    overflowing weights): no token can be drawn from them, and the request must not get an arbitrary one;
+    and when a row's grammar fails (`apply_grammar_masks`).
     """
+    return _sample(logits, requests)[0]
+
+
+def _sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], torch.Tensor]:
+    """`sample`, and the logits the tokens were drawn from ([B, V]: `logits` with grammar masks applied)."""
     # A NaN or Inf makes its row's sum non-finite: one cheap pass (0.6 ms against isfinite's 12.7 ms on
     # [64, 49152] fp32, one thread); only then the exact test, which also clears a finite row whose sum
     # overflowed.
@@ -74,11 +87,12 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
         if bad:
             raise ValueError(f"the model produced non-finite logits (NaN or Inf) in {len(bad)} of {len(requests)} "
                              "row(s); the request's adapter may have weights too large for the model's dtype")
+    logits = apply_grammar_masks(logits, requests)
     # max(dim) returns the first maximal index, as argmax does, in a third of argmax's time on the CPU
     tokens = logits.max(dim=-1).indices.tolist()
     rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
     if not rows:
-        return tokens
+        return tokens, logits
     params = [requests[i].sampling_params for i in rows]
     x = logits[rows]  # [B', V]
     temps = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device)
@@ -94,7 +108,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     picked = (probs / noise).argmax(dim=-1).tolist()
     for j, i in enumerate(rows):
         tokens[i] = picked[j]
-    return tokens
+    return tokens, logits
 
 
 def sample_rows(logits: torch.Tensor, requests: list[Request], before: Callable[[Request], None] | None = None
@@ -108,8 +122,8 @@ def sample_rows(logits: torch.Tensor, requests: list[Request], before: Callable[
     try:
         for req in requests if before is not None else ():
             before(req)
-        tokens = sample(logits, requests)
-        return tokens, [None] * len(requests), token_logprobs(logits, requests, tokens)
+        tokens, used = _sample(logits, requests)
+        return tokens, [None] * len(requests), token_logprobs(used, requests, tokens)
     except Exception:  # find the rows that fail; greedy and seeded rows give the same tokens alone
         pass
     tokens: list[int | None] = []
@@ -119,8 +133,8 @@ def sample_rows(logits: torch.Tensor, requests: list[Request], before: Callable[
         try:
             if before is not None:
                 before(req)
-            token = sample(logits[i:i + 1], [req])[0]
-            logprobs.append(token_logprobs(logits[i:i + 1], [req], [token])[0])
+            (token,), used = _sample(logits[i:i + 1], [req])
+            logprobs.append(token_logprobs(used, [req], [token])[0])
             tokens.append(token)
             errors.append(None)
         except Exception as exc:

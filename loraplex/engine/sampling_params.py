@@ -140,7 +140,11 @@ class SamplingParams:
     the scheduler's "fair" policy (`loraplex.engine.fair_share`); "fcfs" ignores it. logprobs: None, or
     report each output token's log-probability with the `logprobs` most likely tokens' (0..20; vLLM's
     field, its default "raw_logprobs": the model's logits before temperature, top-k and top-p;
-    `RequestOutput.logprobs`). Raises ParamError (a ValueError) for out-of-range values.
+    `RequestOutput.logprobs`). json_schema: None, or a JSON Schema object the output must follow
+    (constrained decoding, `loraplex.engine.structured_output`; `{"type": "object"}` is OpenAI's
+    json_object mode); the output ends with "stop" when the JSON value closes, with "length" if it is
+    still open at max_tokens. Raises ParamError (a ValueError) for out-of-range values; a schema the
+    grammar library refuses raises it when the request is added.
     """
 
     max_tokens: int = 16
@@ -153,6 +157,7 @@ class SamplingParams:
     ignore_eos: bool = False
     priority: int = 0
     logprobs: int | None = None
+    json_schema: dict | None = None
 
     def __post_init__(self) -> None:
         check_max_tokens(self.max_tokens)
@@ -164,6 +169,9 @@ class SamplingParams:
         self.stop_token_ids = check_stop_token_ids(self.stop_token_ids)
         check_priority(self.priority)
         check_logprobs(self.logprobs)
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise ParamError("json_schema", f"json_schema must be a JSON Schema object (a dict) or None, got "
+                                            f"{type(self.json_schema).__name__}")
 
     def check_vocab(self, vocab_size: int) -> None:
         """The checks that need the model: top_k and stop token ids against the vocabulary."""

@@ -68,13 +68,22 @@ class AdapterSlots(Protocol):
         the adapters whose load failed, with the reason."""
 
 
+def is_stop_token(req: Request, token: int, eos_token_ids: Collection[int]) -> bool:
+    """`token` ends `req` as a stop token (one of its stop_token_ids, or EOS unless `ignore_eos`), so it is
+    not part of the text."""
+    params = req.sampling_params
+    return token in params.stop_token_ids or (token in eos_token_ids and not params.ignore_eos)
+
+
 def check_stop(req: Request, token: int, eos_token_ids: Collection[int], max_model_len: int) -> RequestStatus | None:
     """The finished status `req` takes after appending `token`, or None to go on: a stop token (or EOS
     unless `ignore_eos`) stops; `max_tokens` or the model's context ends it by length. Stop strings need
     the text and are the engine's (its detokenizer), checked after this; vLLM's `check_stop` in the same
-    place."""
+    place. A request whose grammar is complete stops too (its JSON is closed; only EOS could follow)."""
+    if is_stop_token(req, token, eos_token_ids):
+        return RequestStatus.FINISHED_STOPPED
     params = req.sampling_params
-    if token in params.stop_token_ids or (token in eos_token_ids and not params.ignore_eos):
+    if req.grammar is not None and req.grammar.is_stopped:
         return RequestStatus.FINISHED_STOPPED
     if req.num_output_tokens >= params.max_tokens or req.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH
@@ -420,6 +429,8 @@ class Scheduler:
                     raise errors[rid]
                 if before_update is not None:
                     before_update(req)
+                if req.grammar is not None:
+                    req.grammar.accept(token)
                 req.output_token_ids.append(token)
                 served[1] += 1
                 if self.fair is not None:
@@ -462,6 +473,8 @@ class Scheduler:
             self.fair.preempted(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        if req.grammar is not None:
+            req.grammar.forget()  # rebuilt from its output tokens when it next samples
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

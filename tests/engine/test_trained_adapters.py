@@ -12,33 +12,18 @@ word in one held-out answer.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
 
-from examples.train_adapters import HELD_OUT, make_dataset, train_adapter
+from examples.train_adapters import HELD_OUT, make_dataset
 from loraplex import LLM, SamplingParams
-from tests.helpers import chat_ids, peft_generate
+from tests.helpers import TRAINED_ADAPTER_STEPS, chat_ids, peft_generate
 
 pytestmark = pytest.mark.slow
 
-STEPS = {"upper": 24, "json": 10}  # json is learnt in fewer steps
 QUESTIONS = HELD_OUT[:2]
 MAX_TOKENS = 40  # room for the JSON object to close
-
-
-@pytest.fixture(scope="session")
-def trained_adapters(model_path, tmp_path_factory) -> dict:
-    """{name: directory} of adapters trained now with PEFT and written by its save_pretrained."""
-    root = tmp_path_factory.mktemp("trained")
-    started = time.perf_counter()
-    paths = {
-        name: train_adapter(name, root, steps, seed=0, model_path=model_path, bf16=False)["path"]
-        for name, steps in STEPS.items()
-    }
-    print(f"trained {', '.join(STEPS)} in {time.perf_counter() - started:.1f} s")
-    return paths
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +54,7 @@ def json_object(text: str) -> dict | None:
 
 
 def test_questions_are_held_out():
-    for name in STEPS:
+    for name in TRAINED_ADAPTER_STEPS:
         assert not set(QUESTIONS) & {q for q, _ in make_dataset(name)}
 
 

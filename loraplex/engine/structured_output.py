@@ -1,0 +1,210 @@
+"""Structured output: decoding constrained by a JSON Schema, per row of a mixed batch.
+
+Letters: B rows sampled this step, B' of them constrained, V the model's vocabulary, W = ceil(V / 32)
+words of a token bitmask.
+
+The grammar library is llguidance (PyPI `llguidance`, vLLM's "guidance" backend); why, measured against
+xgrammar on this tokenizer, is in docs/structured-output.md: no dependencies (xgrammar pins torch,
+triton, transformers and apache-tvm-ffi), a readable reason for every schema it refuses, the wider
+JSON Schema coverage, and mask work bounded per step by its parser limits ("fuel"), so a pathological
+schema ends its own request with an error instead of stalling the step.
+
+The life of a schema, the way vLLM's structured-output manager splits it:
+- `StructuredOutputs.compile(schema)` turns it into a grammar, validates it against the tokenizer and
+  builds one matcher for it, cached by the schema's canonical hash (sha256 of its sorted, compact JSON).
+  It runs off the engine's step loop: the gateway and `AsyncLLM.submit_to` call it in a worker thread
+  before the request is queued (llguidance drops the GIL while it builds), so a slow schema delays its
+  own request only. A schema it refuses raises ParamError with the library's reason.
+- Each request gets its own `GrammarState`, a copy of the cached matcher (10-40 us). Its state is a
+  function of the request's output tokens: `sync(tokens)` replays them into a fresh copy whenever the
+  two disagree (after preemption and recompute the engine forgets the state and it is rebuilt here).
+- Each step, `apply_grammar_masks` fills one bitmask row per constrained request and sets the logits
+  of disallowed tokens to -inf in those rows only (of a copy); unconstrained rows are equal bit for bit.
+  After sampling, the scheduler `accept`s the token; a grammar that `is_stopped` (the JSON is closed
+  and nothing may follow) ends the request with finish reason "stop". One that is still open at
+  max_tokens ends by "length", as OpenAI's API does.
+
+JSON is generated compact (no whitespace between tokens: llguidance's `whitespace_flexible: false`), so
+a model cannot spend its max_tokens on blank lines inside an object.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+
+from loraplex.engine.sampling_params import ParamError
+
+MAX_CACHED_GRAMMARS = 512  # distinct schemas kept compiled (LRU)
+# llguidance's JSON compiler options: compact output; `x-guidance` in a schema may override them
+_JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
+def schema_key(schema: dict) -> str:
+    """The canonical hash of a JSON Schema: sha256 of its JSON with sorted keys and no whitespace."""
+    text = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class GrammarState:
+    """One request's position in its grammar: an llguidance matcher that has consumed exactly the
+    request's output tokens so far (`num_consumed` of them)."""
+
+    __slots__ = ("_pristine", "matcher", "num_consumed", "num_rebuilds")
+
+    def __init__(self, pristine):
+        self._pristine = pristine
+        self.matcher = pristine.deep_copy()
+        self.num_consumed = 0
+        self.num_rebuilds = 0
+
+    def sync(self, tokens: list[int]) -> None:
+        """Bring the matcher to the state after `tokens` (the request's output), replaying them into a
+        fresh copy when it has consumed a different number. Raises ValueError if they break the grammar."""
+        if self.num_consumed != len(tokens):
+            self.matcher = self._pristine.deep_copy()
+            self.num_consumed = 0
+            self.num_rebuilds += 1
+            if tokens and not self.matcher.consume_tokens(tokens):
+                raise ValueError(f"the output does not follow its grammar: {self.matcher.get_error()}")
+            self.num_consumed = len(tokens)
+
+    def forget(self) -> None:
+        """Drop the state (preemption: the request's K/V are recomputed, its matcher rebuilt by `sync`)."""
+        self.num_consumed = -1
+
+    def accept(self, token: int) -> None:
+        """Advance by one sampled token. Raises ValueError if the grammar refuses it (never for a token
+        drawn under this state's mask)."""
+        if not self.matcher.consume_token(token):
+            raise ValueError(f"token {token} does not follow the grammar: {self.matcher.get_error()}")
+        self.num_consumed += 1
+
+    @property
+    def is_stopped(self) -> bool:
+        """The grammar is complete and allows no further token (the JSON value is closed)."""
+        return self.matcher.is_stopped() and not self.matcher.is_error()
+
+
+class StructuredOutputs:
+    """Compiles and caches grammars for one engine's tokenizer. Thread-safe: `compile` may run on any
+    thread, and a schema compiled concurrently twice is built twice and cached once.
+
+    tokenizer: the model's Hugging Face tokenizer (None: the model has none, and every schema is refused);
+    vocab_size: the model's V (logits width, may exceed the tokenizer's); eos_token_ids: the tokens that
+    end a request, the ones a complete grammar allows.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int],
+                 max_cached: int = MAX_CACHED_GRAMMARS):
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = [t for t in eos_token_ids if 0 <= t < vocab_size]
+        self.max_cached = max_cached
+        self._ll_tokenizer = None
+        self._cache: OrderedDict[str, Any] = OrderedDict()  # schema key -> pristine LLMatcher
+        self._lock = threading.Lock()
+        self.num_compiled = 0  # schemas built (cache misses)
+        self.num_cache_hits = 0
+
+    def _tokenizer(self, param: str):
+        import llguidance
+        import llguidance.hf
+
+        with self._lock:
+            if self._ll_tokenizer is None:
+                if self._hf_tokenizer is None:
+                    raise ParamError(param, "this model has no tokenizer, so its output cannot follow a schema")
+                # about 0.3 s for a 49k-token vocabulary, once per engine
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None)
+                self._limits = llguidance.LLParserLimits(verbose_errors=False)
+            return self._ll_tokenizer
+
+    def compile(self, schema: dict, param: str = "json_schema") -> Any:
+        """The cached matcher of `schema` (a JSON Schema object), building it on first use: typically
+        1-5 ms, more for large schemas. Raises ParamError naming `param` (the gateway's: "response_format")
+        with llguidance's reason for a schema it cannot honour: invalid, unsatisfiable, or with
+        unimplemented keywords."""
+        import llguidance
+
+        if not isinstance(schema, dict):
+            raise ParamError(param, f"the JSON schema must be an object, got {type(schema).__name__}")
+        try:
+            key = schema_key(schema)
+        except (TypeError, ValueError) as exc:
+            raise ParamError(param, f"the JSON schema cannot be serialized: {exc}") from None
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self.num_cache_hits += 1
+                return hit
+        tok = self._tokenizer(param)
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_DEFAULTS)
+        except ValueError as exc:
+            raise ParamError(param, f"invalid JSON schema: {exc}") from None
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok, limits=self._limits)
+        if is_error:
+            raise ParamError(param, f"invalid JSON schema: {'; '.join(messages)}")
+        matcher = llguidance.LLMatcher(tok, grammar, log_level=0, limits=self._limits)
+        if matcher.is_error():
+            raise ParamError(param, f"invalid JSON schema: {matcher.get_error()}")
+        _fill(matcher, np.empty(_num_words(self.vocab_size), dtype=np.int32))  # builds the lexer here, not in a step
+        with self._lock:
+            self.num_compiled += 1
+            self._cache[key] = matcher
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
+        return matcher
+
+    def new_state(self, schema: dict) -> GrammarState:
+        """A fresh `GrammarState` for one request (ParamError naming "json_schema", as in `compile`)."""
+        return GrammarState(self.compile(schema))
+
+
+def _num_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def _fill(matcher, words: np.ndarray) -> None:
+    """Compute `matcher`'s next-token mask into `words` ([W] int32, bit t % 32 of word t // 32: token t
+    allowed)."""
+    matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_grammar_masks(logits: torch.Tensor, requests: list) -> torch.Tensor:
+    """logits: [B, V], row i for requests[i] -> `logits` itself when no request has a `grammar`, else a
+    copy in which, for each request with one (a `GrammarState`, brought to its output tokens), the
+    logits of the tokens its grammar disallows are -inf; other rows are equal bit for bit. Raises
+    ValueError when a grammar is in an error state (for example, its parser ran out of fuel) or allows
+    no token at all."""
+    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if not rows:
+        return logits
+    vocab = logits.shape[-1]
+    words = np.zeros((len(rows), _num_words(vocab)), dtype=np.int32)  # [B', W]
+    for j, i in enumerate(rows):
+        state = requests[i].grammar
+        state.sync(requests[i].output_token_ids)
+        _fill(state.matcher, words[j])
+        if state.matcher.is_error():
+            raise ValueError(f"the grammar failed: {state.matcher.get_error()}")
+    allowed = (torch.from_numpy(words)[:, :, None] >> _BITS) & 1  # [B', W, 32]
+    allowed = allowed.view(len(rows), -1)[:, :vocab].bool()  # [B', V]
+    if not allowed.any(dim=-1).all():
+        raise ValueError("the grammar allows no next token")
+    index = torch.tensor(rows, device=logits.device)
+    masked = logits.index_select(0, index).masked_fill_(~allowed.to(logits.device), float("-inf"))  # [B', V]
+    return logits.index_copy(0, index, masked)
