@@ -5,7 +5,9 @@ shuts down or the engine's queue is full (503, before the body is read: `middlew
 resolve `model` (404 for anything not the base model or the caller's own adapter; read in the same
 database session as the API key, `api/deps.get_model_call`);
 bound the fan-out (`n`, prompts, sequences: 400 before tokenizing); tokenize off the event loop; check
-lengths and sampling values against the model (400 naming the field); reserve quota (429); register the
+lengths and sampling values against the model (400 naming the field); compile `response_format`'s
+schema in a worker thread (400 `param: "response_format"` with the grammar library's reason); reserve
+quota (429); register the
 adapter if needed; queue the call's engine requests all or none (503 `server_overloaded` when the
 engine's waiting queue has no room, by count, tokens or estimated wait; the reservation is refunded).
 A detached task waits for the engine requests to end, then refunds unused tokens, records usage and
@@ -126,6 +128,11 @@ class Completions:
         if any(not p for p in prompts):
             raise invalid_request("The prompt is empty.", param=prompt_param_of(kind))
         max_tokens = check_lengths(self.engine, self.settings, kind, body, prompts)
+        if body.json_schema is not None:  # compiled off the event loop and the step loop, then cached
+            try:
+                await self.engine.compile_schema(body.json_schema)
+            except ParamError as e:
+                raise invalid_request(f"The response_format cannot be honoured: {e}", param="response_format") from None
         priority = call_priority(body, caller)
         params = sampling_params(self.engine.model_config.vocab_size, body, len(prompts), max_tokens, priority)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -287,7 +294,7 @@ def sampling_params(vocab: int, body: ChatCompletionRequest | CompletionRequest,
                                seed=None if body.seed is None else (body.seed + j + 2**63) % 2**64 - 2**63,
                                stop=body.stop,
                                stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos, priority=priority,
-                               logprobs=body.num_logprobs)
+                               logprobs=body.num_logprobs, json_schema=body.json_schema)
                 for _ in range(num_prompts) for j in range(body.n)]
     except ParamError as e:
         raise invalid_request(str(e), param=e.param) from None

@@ -96,6 +96,11 @@ class EngineClient:
         """Running and waiting requests, KV cache and adapter residency, read on the engine thread."""
         return await self.llm.call(engine_stats, self.llm.engine)
 
+    async def compile_schema(self, schema: dict) -> None:
+        """Compile `schema` for constrained decoding in a worker thread and cache it in the engine
+        (`StructuredOutputs.compile`); raises its ParamError (param "response_format") if refused."""
+        await self.llm.compile_schemas([SamplingParams(json_schema=schema)], "response_format")
+
     # tokens -------------------------------------------------------------------------------------
     def encode_chat(self, messages: list[dict]) -> list[int]:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

@@ -37,6 +37,7 @@ from loraplex.engine.sampling_params import (
     check_text,
     check_top_p,
 )
+from loraplex.platform.response_format import parse_response_format
 
 # Fields of OpenAI's API that loraplex refuses unless they hold their neutral value (what leaving them
 # out means), with that value.
@@ -123,6 +124,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict | None = None
+    response_format: dict | None = Field(None, description="text, json_object or json_schema (response_format.py)")
 
     @field_validator(*_RANGE_CHECKS)
     @classmethod
@@ -152,11 +154,21 @@ class SamplingFields(BaseModel):
     def _unsupported_sampling(cls, v, info: ValidationInfo):
         return _refuse_unsupported(info, v, UNSUPPORTED_SAMPLING)
 
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v):
+        parse_response_format(v)
+        return v
+
+    @property
+    def json_schema(self) -> dict | None:
+        """`SamplingParams.json_schema`: the JSON Schema `response_format` asks for, None for text."""
+        return parse_response_format(self.response_format)
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
-    response_format: dict | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
     tools: list | None = None
@@ -170,14 +182,6 @@ class ChatCompletionRequest(SamplingFields):
     @classmethod
     def _max_completion_tokens(cls, v):
         return v if v is None else check_max_tokens(v, "max_completion_tokens")
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, v):
-        if v and v.get("type", "text") != "text":
-            raise ValueError(f"`response_format` of type {v.get('type')!r} is not supported by loraplex "
-                             "(only {\"type\": \"text\"})")
-        return v
 
     @field_validator(*UNSUPPORTED_CHAT)
     @classmethod

@@ -43,7 +43,7 @@ def make_settings(tmp_path_factory):
 
     def make(**overrides) -> Settings:
         values = dict(home=tmp_path_factory.mktemp("home"), model=factories.BASE_MODEL, admin_key=new_key(),
-                      redis_url=None, database_url=None, max_upload_bytes=16 << 20)
+                      redis_url=None, database_url=None, max_upload_bytes=32 << 20)  # the trained adapters: 20 MB
         return Settings(**{**values, **overrides})
 
     return make

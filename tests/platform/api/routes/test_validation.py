@@ -50,8 +50,9 @@ def error_of(r, status: int = 400) -> dict:
     ({"top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
     ({"logprobs": 1}, "logprobs", "logprobs: Input should be a valid boolean"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream_options is only allowed with stream: true"),
-    ({"response_format": {"type": "json_object"}}, "response_format",
-     "`response_format` of type 'json_object' is not supported by loraplex (only {\"type\": \"text\"})"),
+    ({"response_format": {"type": "json"}}, "response_format",
+     "response_format.type must be one of 'text', 'json_object', 'json_schema', got 'json'"),
+    ({"response_format": "json"}, "response_format", "response_format: Input should be a valid dictionary"),
     ({"max_tokens": 100_000}, "max_tokens", None),  # context: see test_chat
     ({"priority": 2**31}, "priority", f"priority must be an integer in [-2**31, 2**31 - 1], got {2**31}"),
     ({"priority": -1}, "priority", "priority -1 is more urgent than this tenant may ask for: the lowest allowed is "
