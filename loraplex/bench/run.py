@@ -10,6 +10,7 @@
     loraplex bench --preset vllm --threads 1      # ours vs vLLM's CPU build (scripts/peer-vllm installs it)
     loraplex bench --preset fairness              # a noisy tenant beside a quiet one: fcfs vs fair scheduling
     loraplex bench --preset prefix-cache          # shared system prompts and multi-turn chats, cache on vs off
+    loraplex bench --preset structured            # 0/50/100% JSON Schema constrained rows, compile time per schema
 
 A preset is one main workload (setting S1, n adapters, Zipf alpha, rate R) that every system runs
 with the same prompts, then three sweeps of our engine: R (with static batching and base-only beside
@@ -315,7 +316,7 @@ def _fmt(x: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="loraplex bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=sorted([*PRESETS, "fairness", "prefix-cache"]), default="small")
+    ap.add_argument("--preset", choices=sorted([*PRESETS, "fairness", "prefix-cache", "structured"]), default="small")
     ap.add_argument("--out", type=Path, help="report path (default docs/benchmarks/<preset>.md)")
     ap.add_argument("--trace", type=Path, help="JSONL trace to replay as the main workload")
     ap.add_argument("--systems", help="comma-separated subset of engine,static,peft,base,http for the main workload")
@@ -347,6 +348,15 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="loraplex-bench-") as tmp:
             runs = prefix_cache.run_all(spec, args.threads, Path(tmp))
         prefix_cache.write_report(out, runs, spec, command=command, threads=args.threads)
+        print(f"report written to {out}")
+        return 0
+    if args.preset == "structured":  # in process, one engine (bench/structured.py)
+        from loraplex.bench import structured
+
+        spec = structured.StructuredSpec()
+        out = args.out or Path("docs/benchmarks/structured.md")
+        runs, compiles, dtype = structured.run_all(spec, args.threads)
+        structured.write_report(out, runs, compiles, spec, command=command, threads=args.threads, dtype=dtype)
         print(f"report written to {out}")
         return 0
     preset = PRESETS[args.preset]()

@@ -8,7 +8,8 @@ preemption and recompute. Sampling uses the exponential race: argmax(p / E) with
 token i with probability p_i (the Gumbel-max trick in another form).
 
 A row with a grammar (`SamplingParams.json_schema`) is drawn from its logits with the tokens its grammar
-disallows set to -inf (`structured_output.apply_grammar_masks`, on a copy); other rows are not touched.
+disallows set to -inf, in place (`structured_output.apply_grammar_masks_`, after the finite-logits check);
+other rows are not touched.
 
 Log-probabilities (`token_logprobs`, for rows whose params ask for them) are log_softmax of the row's
 logits in fp32, after the grammar mask and before temperature, top-k and top-p: vLLM's default
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.engine.request import Request
-from loraplex.engine.structured_output import apply_grammar_masks
+from loraplex.engine.structured_output import apply_grammar_masks_
 
 _MASK = 2**63 - 1
 
@@ -66,33 +67,23 @@ def _row_seed(seed: int, index: int) -> int:
     return (seed * 6364136223846793005 + (index + 1) * 1442695040888963407) & _MASK
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """logits: [B, V] fp32, row i for requests[i] -> one token id per row, rows with a grammar drawn from
-    their masked logits (`logits` itself is not changed).
+def sample(logits: torch.Tensor, requests: list[Request], checked: bool = False) -> list[int]:
+    """logits: [B, V] fp32, row i for requests[i] -> one token id per row. Rows with a grammar are masked in
+    place first (the caller's logprobs then see the masked logits). checked: `logits` passed
+    `check_finite` before any mask was applied (a -inf in a row with a grammar may be its mask's).
 
     Raises ValueError when a row's logits are not all finite (NaN or Inf, e.g. from an adapter with
     overflowing weights): no token can be drawn from them, and the request must not get an arbitrary one;
-    and when a row's grammar fails (`apply_grammar_masks`).
+    and when a row's grammar fails (`apply_grammar_masks_`).
     """
-    return _sample(logits, requests)[0]
-
-
-def _sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], torch.Tensor]:
-    """`sample`, and the logits the tokens were drawn from ([B, V]: `logits` with grammar masks applied)."""
-    # A NaN or Inf makes its row's sum non-finite: one cheap pass (0.6 ms against isfinite's 12.7 ms on
-    # [64, 49152] fp32, one thread); only then the exact test, which also clears a finite row whose sum
-    # overflowed.
-    if not torch.isfinite(logits.sum(dim=-1)).all():
-        bad = (~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist()
-        if bad:
-            raise ValueError(f"the model produced non-finite logits (NaN or Inf) in {len(bad)} of {len(requests)} "
-                             "row(s); the request's adapter may have weights too large for the model's dtype")
-    logits = apply_grammar_masks(logits, requests)
+    if not checked:
+        check_finite(logits, len(requests))
+    apply_grammar_masks_(logits, requests)
     # max(dim) returns the first maximal index, as argmax does, in a third of argmax's time on the CPU
     tokens = logits.max(dim=-1).indices.tolist()
     rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
     if not rows:
-        return tokens, logits
+        return tokens
     params = [requests[i].sampling_params for i in rows]
     x = logits[rows]  # [B', V]
     temps = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device)
@@ -108,22 +99,38 @@ def _sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], t
     picked = (probs / noise).argmax(dim=-1).tolist()
     for j, i in enumerate(rows):
         tokens[i] = picked[j]
-    return tokens, logits
+    return tokens
+
+
+def check_finite(logits: torch.Tensor, num_rows: int) -> None:
+    """Raise ValueError if any row of logits [B, V] holds a NaN or an Inf."""
+    # A NaN or Inf makes its row's sum non-finite: one cheap pass (0.6 ms against isfinite's 12.7 ms on
+    # [64, 49152] fp32, one thread); only then the exact test, which also clears a finite row whose sum
+    # overflowed.
+    if not torch.isfinite(logits.sum(dim=-1)).all():
+        bad = (~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(f"the model produced non-finite logits (NaN or Inf) in {len(bad)} of {num_rows} "
+                             "row(s); the request's adapter may have weights too large for the model's dtype")
 
 
 def sample_rows(logits: torch.Tensor, requests: list[Request], before: Callable[[Request], None] | None = None
                 ) -> tuple[list[int | None], list[Exception | None], list[TokenLogprobs | None]]:
-    """`sample` and `token_logprobs`, one row's failure ending that row alone. logits: [B, V] fp32.
+    """`sample` and `token_logprobs`, one row's failure ending that row alone. logits: [B, V] fp32, masked in
+    place for the rows with a grammar.
 
     Returns (tokens, errors, logprobs): row i has a token, no error and its logprobs (None unless asked),
     or None, the exception its sampling raised and None. `before(request)`, if given, runs before each row
     is sampled (`LLMEngine.inject_fault`); what it raises counts as that row's failure.
     """
+    checked = False
     try:
         for req in requests if before is not None else ():
             before(req)
-        tokens, used = _sample(logits, requests)
-        return tokens, [None] * len(requests), token_logprobs(used, requests, tokens)
+        check_finite(logits, len(requests))
+        checked = True  # from here on, rows with a grammar may be masked in place
+        tokens = sample(logits, requests, checked=True)
+        return tokens, [None] * len(requests), token_logprobs(logits, requests, tokens)
     except Exception:  # find the rows that fail; greedy and seeded rows give the same tokens alone
         pass
     tokens: list[int | None] = []
@@ -133,8 +140,9 @@ def sample_rows(logits: torch.Tensor, requests: list[Request], before: Callable[
         try:
             if before is not None:
                 before(req)
-            (token,), used = _sample(logits[i:i + 1], [req])
-            logprobs.append(token_logprobs(used, [req], [token])[0])
+            row = logits[i:i + 1]  # a view: its mask lands in `logits`
+            token = sample(row, [req], checked=checked and req.grammar is not None)[0]
+            logprobs.append(token_logprobs(row, [req], [token])[0])
             tokens.append(token)
             errors.append(None)
         except Exception as exc:

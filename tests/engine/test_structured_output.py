@@ -19,7 +19,7 @@ import torch
 from loraplex import LLM, SamplingParams
 from loraplex.engine.request import Request
 from loraplex.engine.sampling_params import ParamError
-from loraplex.engine.structured_output import StructuredOutputs, apply_grammar_masks, schema_key
+from loraplex.engine.structured_output import StructuredOutputs, apply_grammar_masks_, schema_key
 from tests.helpers import chat_ids
 
 ITEM = {
@@ -74,13 +74,16 @@ def test_masks_touch_only_constrained_rows_and_only_disallowed_tokens(structured
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
     reqs = [Request([1], SamplingParams()) for _ in range(3)]
     reqs[1].grammar = structured.new_state({"type": "integer", "minimum": 0})
-    masked = apply_grammar_masks(logits, reqs)
-    assert masked is not logits and torch.equal(masked[0], logits[0]) and torch.equal(masked[2], logits[2])
+    masked = logits.clone()
+    assert apply_grammar_masks_(masked, reqs) == [1]
+    assert torch.equal(masked[0], logits[0]) and torch.equal(masked[2], logits[2])
     allowed = masked[1] > float("-inf")
     assert torch.equal(masked[1][allowed], logits[1][allowed])
     texts = [tokenizer.decode([t]) for t in allowed.nonzero().flatten().tolist()]
     assert texts and all(t[0].isdigit() for t in texts) and "-" not in texts  # minimum 0: no sign
-    assert apply_grammar_masks(logits, [reqs[0], reqs[2]]) is logits  # nothing constrained: no copy
+    again = masked.clone()
+    apply_grammar_masks_(again, reqs)
+    assert torch.equal(again, masked)  # idempotent: a row sampled again after a neighbour failed is the same
 
 
 def test_the_state_is_rebuilt_from_the_output_tokens(structured, tokenizer):
@@ -226,3 +229,18 @@ def test_async_llm_compiles_schemas_off_the_engine_thread(model_path, tokenizer)
     finally:
         llm.shutdown()
     assert out.text.startswith("[") and compiled_on and "loraplex-engine" not in compiled_on
+
+
+def test_a_failing_row_beside_constrained_rows_leaves_their_tokens_as_alone(structured, tokenizer):
+    from loraplex.engine.sampler import sample_rows
+
+    logits = torch.randn(3, len(tokenizer), generator=torch.Generator().manual_seed(1))
+    logits[2, 5] = float("nan")
+    reqs = [Request([1], SamplingParams(temperature=0, logprobs=1)) for _ in range(3)]
+    for r in reqs[:2]:
+        r.grammar = structured.new_state({"type": "integer"})
+    alone = [sample_rows(logits[i:i + 1].clone(), [reqs[i]])[0][0] for i in range(2)]
+    tokens, errors, logprobs = sample_rows(logits, reqs)
+    assert tokens[:2] == alone and errors[:2] == [None, None] and "non-finite" in str(errors[2])
+    assert all(tokenizer.decode([t])[0].isdigit() or tokenizer.decode([t])[0] == "-" for t in tokens[:2])
+    assert logprobs[0].logprob == pytest.approx(torch.log_softmax(logits[0], -1)[tokens[0]].item(), abs=1e-5)
