@@ -138,6 +138,8 @@ class StructuredOutputs:
             raise ParamError(param, f"the JSON schema must be an object, got {type(schema).__name__}")
         try:
             key = schema_key(schema)
+        except RecursionError:
+            raise ParamError(param, "the JSON schema is nested too deeply") from None
         except (TypeError, ValueError) as exc:
             raise ParamError(param, f"the JSON schema cannot be serialized: {exc}") from None
         with self._lock:
@@ -149,6 +151,8 @@ class StructuredOutputs:
         tok = self._tokenizer(param)
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_DEFAULTS)
+        except RecursionError:
+            raise ParamError(param, "the JSON schema is nested too deeply") from None
         except ValueError as exc:
             raise ParamError(param, f"invalid JSON schema: {exc}") from None
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok, limits=self._limits)

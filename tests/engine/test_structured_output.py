@@ -244,3 +244,11 @@ def test_a_failing_row_beside_constrained_rows_leaves_their_tokens_as_alone(stru
     assert tokens[:2] == alone and errors[:2] == [None, None] and "non-finite" in str(errors[2])
     assert all(tokenizer.decode([t])[0].isdigit() or tokenizer.decode([t])[0] == "-" for t in tokens[:2])
     assert logprobs[0].logprob == pytest.approx(torch.log_softmax(logits[0], -1)[tokens[0]].item(), abs=1e-5)
+
+
+def test_a_schema_too_deep_to_hash_is_refused_not_raised(structured):
+    schema: dict = {"type": "integer"}
+    for _ in range(1000):  # deeper than Python's recursion limit lets json.dumps go
+        schema = {"type": "object", "properties": {"a": schema}}
+    with pytest.raises(ParamError, match="the JSON schema is nested too deeply"):
+        structured.compile(schema, "response_format")

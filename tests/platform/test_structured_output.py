@@ -168,6 +168,9 @@ def test_completions_take_response_format_too(client):
     ({"type": "json_schema"},
      "response_format.json_schema must be an object with `name` and `schema` when type is 'json_schema'"),
     ({"type": "xml"}, "response_format.type must be one of 'text', 'json_object', 'json_schema', got 'xml'"),
+    ({"type": "json_schema", "json_schema": {"name": "enum", "schema": {"enum": [f"v{i}" for i in range(100_000)]}}},
+     "The response_format cannot be honoured: invalid JSON schema: initial lexer configuration (grammar) too big "
+     "(limit for this grammar: 1000000)"),
 ])
 def test_a_schema_that_cannot_be_honoured_is_a_400_before_it_costs_quota(make_tenant, response_format, message):
     t = make_tenant(rpm=1)
@@ -180,3 +183,18 @@ def test_a_schema_that_cannot_be_honoured_is_a_400_before_it_costs_quota(make_te
     else:
         assert error["message"] == message
     assert t.chat(max_tokens=1).status_code == 200  # the refused call did not take the minute's one request
+
+
+@pytest.mark.parametrize("depth, param, message", [
+    (300, "response_format", "The response_format cannot be honoured: invalid JSON schema: recursion limit exceeded "
+                             "at line 1 column 2220"),  # llguidance's bound
+    (2000, None, "There was an error parsing the body"),  # deeper than Python's JSON parser goes
+])
+def test_a_schema_nested_too_deeply_is_a_400_not_a_crash(tenant, depth, param, message):
+    schema = '{"type":"object","properties":{"a":' * depth + '{"type":"integer"}' + "}}" * depth
+    head = json.dumps({"model": BASE_MODEL, "messages": user("Hi"), "max_tokens": 2})[:-1]
+    body = head + ', "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": ' + schema + "}}}"
+    r = tenant.client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": message, "type": "invalid_request_error", "param": param, "code": None}
+    assert tenant.chat().status_code == 200
