@@ -87,22 +87,22 @@ class AsyncLLM:
         engine thread, not two. The sink must not raise or block.
         """
         loop = asyncio.get_running_loop()
-        await self.compile_schemas(params)
+        grammars = await self.compile_schemas(params)
         try:
             await self._call(self._add, prompts, params, adapter, (adapter_path, adapter_digest), request_ids,
-                             tenant_id, tenant_weight, (loop, sink))
+                             tenant_id, tenant_weight, (loop, sink), grammars)
         except asyncio.CancelledError:
             # The add may run after we stop waiting; the queue is FIFO, so this abort comes after it.
             self.abort_nowait(*request_ids)
             raise
 
-    async def compile_schemas(self, params: list[SamplingParams], param: str = "json_schema") -> None:
-        """Compile the distinct `json_schema`s of `params` in a worker thread, off the step loop, so adding
-        their requests on the engine thread finds them cached (`StructuredOutputs.compile`). Raises its
-        ParamError, naming `param`, for a schema it refuses."""
+    async def compile_schemas(self, params: list[SamplingParams], param: str = "json_schema") -> dict[int, object]:
+        """Compile the distinct `json_schema`s of `params` in a worker thread, off the step loop
+        (`StructuredOutputs.compile`); returns the compiled matchers by `id(schema)`, for `add_requests`.
+        Raises its ParamError, naming `param`, for a schema it refuses."""
         schemas = {id(p.json_schema): p.json_schema for p in params if p.json_schema is not None}
-        for schema in schemas.values():
-            await asyncio.to_thread(self.engine.structured.compile, schema, param)
+        return {key: await asyncio.to_thread(self.engine.structured.compile, schema, param)
+                for key, schema in schemas.items()}
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
                        adapter: str | None = None, request_id: str | None = None,
@@ -147,11 +147,12 @@ class AsyncLLM:
         self._commands.put((fn, args, fut))
         return await asyncio.wrap_future(fut)
 
-    def _add(self, prompts, params, adapter, source, request_ids, tenant_id, tenant_weight, stream) -> None:
+    def _add(self, prompts, params, adapter, source, request_ids, tenant_id, tenant_weight, stream, grammars) -> None:
         adapter_path, adapter_digest = source
         if adapter_path is not None and adapter not in self.engine.adapters:
             self.engine.adapters.register(adapter, adapter_path, validated=True, digest=adapter_digest)
-        self.engine.add_requests(prompts, params, adapter, request_ids, tenant_id, tenant_weight, shed=True)
+        self.engine.add_requests(prompts, params, adapter, request_ids, tenant_id, tenant_weight, shed=True,
+                                 grammars=grammars)
         for rid in request_ids:
             self._streams[rid] = stream
 

@@ -33,7 +33,7 @@ from loraplex.engine.model_runner import ModelRunner, StepResult, kv_cache_bytes
 from loraplex.engine.request import Request, RequestOutput, RequestStatus, output_prefix
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput, is_stop_token
-from loraplex.engine.structured_output import StructuredOutputs
+from loraplex.engine.structured_output import GrammarState, StructuredOutputs
 from loraplex.kernels import attach_fused_shrink, pack_linears
 from loraplex.kernels.cpu_gemm import available_memory_bytes
 from loraplex.model_config import LORA_FUSED_GROUPS, ModelConfig
@@ -163,16 +163,19 @@ class LLMEngine:
 
     def add_requests(self, prompts: list[list[int]], params: list[SamplingParams], adapter: str | None = None,
                      request_ids: list[str] | None = None, tenant_id: int | None = None,
-                     tenant_weight: float = 1.0, *, shed: bool = False) -> list[Request]:
+                     tenant_weight: float = 1.0, *, shed: bool = False,
+                     grammars: dict[int, object] | None = None) -> list[Request]:
         """Queue one call's requests (a prompt list, `n` choices) all or none: every one is checked as in
         `add_request` before any is queued. shed=True (a server) also raises EngineOverloadedError, with
-        nothing queued, when the waiting queue has no room for them (`Scheduler.has_room`)."""
+        nothing queued, when the waiting queue has no room for them (`Scheduler.has_room`). grammars: the
+        compiled matchers of the params' json_schemas by `id(schema)` (`AsyncLLM.compile_schemas`), so
+        this thread only copies them; a schema not in it is compiled here."""
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"adapter {adapter!r} is not loaded")
         if not (isinstance(tenant_weight, (int, float)) and 0 < tenant_weight < float("inf")):
             raise ValueError(f"tenant_weight must be a number > 0, got {tenant_weight!r}")
         ids = request_ids if request_ids is not None else [None] * len(prompts)
-        reqs = [self._make_request(p, sp, adapter, rid, tenant_id, float(tenant_weight))
+        reqs = [self._make_request(p, sp, adapter, rid, tenant_id, float(tenant_weight), grammars)
                 for p, sp, rid in zip(prompts, params, ids, strict=True)]
         if len({r.request_id for r in reqs}) < len(reqs):
             raise ValueError("request ids within one call must be distinct")
@@ -196,7 +199,8 @@ class LLMEngine:
         return reqs
 
     def _make_request(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None,
-                      request_id: str | None, tenant_id: int | None, tenant_weight: float) -> Request:
+                      request_id: str | None, tenant_id: int | None, tenant_weight: float,
+                      grammars: dict[int, object] | None = None) -> Request:
         """A checked, not yet queued request (ValueError as in `add_request`)."""
         n = len(prompt_token_ids)
         max_len = self.model_config.max_model_len
@@ -218,8 +222,10 @@ class LLMEngine:
                       tenant_weight=tenant_weight, kv_identity=identity, **kwargs)
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        if params.json_schema is not None:  # compiled already if it came through AsyncLLM (a cache hit)
-            req.grammar = self.structured.new_state(params.json_schema)
+        if params.json_schema is not None:  # through AsyncLLM: compiled already, in a worker thread
+            compiled = (grammars or {}).get(id(params.json_schema))
+            req.grammar = GrammarState(compiled) if compiled is not None else self.structured.new_state(
+                params.json_schema)
         return req
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

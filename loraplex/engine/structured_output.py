@@ -6,8 +6,8 @@ words of a token bitmask.
 The grammar library is llguidance (PyPI `llguidance`, vLLM's "guidance" backend); why, measured against
 xgrammar on this tokenizer, is in docs/structured-output.md: no dependencies (xgrammar pins torch,
 triton, transformers and apache-tvm-ffi), a readable reason for every schema it refuses, the wider
-JSON Schema coverage, and mask work bounded per step by its parser limits ("fuel"), so a pathological
-schema ends its own request with an error instead of stalling the step.
+JSON Schema coverage, and mask work bounded per row and step by its parser limits ("fuel", about
+15 ms at most); a schema that needs more ends its own request with an error.
 
 The life of a schema, the way vLLM's structured-output manager splits it:
 - `StructuredOutputs.compile(schema)` turns it into a grammar, validates it against the tokenizer and
@@ -24,8 +24,8 @@ The life of a schema, the way vLLM's structured-output manager splits it:
   and nothing may follow) ends the request with finish reason "stop". One that is still open at
   max_tokens ends by "length", as OpenAI's API does.
 
-JSON is generated compact (no whitespace between tokens: llguidance's `whitespace_flexible: false`), so
-a model cannot spend its max_tokens on blank lines inside an object.
+JSON is generated compact (no whitespace between tokens: llguidance's `whitespace_flexible: false`, set
+over any `x-guidance` of the schema), so a model cannot spend its max_tokens on blank lines.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ import torch
 from loraplex.engine.sampling_params import ParamError
 
 MAX_CACHED_GRAMMARS = 512  # distinct schemas kept compiled (LRU)
-# llguidance's JSON compiler options: compact output; `x-guidance` in a schema may override them
-_JSON_DEFAULTS = {"whitespace_flexible": False}
+# llguidance's JSON compiler options, applied after a schema's own `x-guidance` (so a client cannot turn
+# on flexible whitespace, other separators or `lenient`, which ignores keywords it cannot honour)
+_JSON_OVERRIDES = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":", "lenient": False}
 
 
 def schema_key(schema: dict) -> str:
@@ -108,6 +109,9 @@ class StructuredOutputs:
         self.eos_token_ids = [t for t in eos_token_ids if 0 <= t < vocab_size]
         self.max_cached = max_cached
         self._ll_tokenizer = None
+        self._tokenizer_error: str | None = None
+        # default limits: at most about 15 ms of mask work per row and step (llguidance's "fuel")
+        self._limits = None
         self._cache: OrderedDict[str, Any] = OrderedDict()  # schema key -> pristine LLMatcher
         self._lock = threading.Lock()
         self.num_compiled = 0  # schemas built (cache misses)
@@ -118,13 +122,18 @@ class StructuredOutputs:
         import llguidance.hf
 
         with self._lock:
-            if self._ll_tokenizer is None:
-                if self._hf_tokenizer is None:
-                    raise ParamError(param, "this model has no tokenizer, so its output cannot follow a schema")
-                # about 0.3 s for a 49k-token vocabulary, once per engine
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None)
-                self._limits = llguidance.LLParserLimits(verbose_errors=False)
+            if self._ll_tokenizer is None and self._tokenizer_error is None:
+                try:
+                    if self._hf_tokenizer is None:
+                        raise ValueError("this model has no tokenizer")
+                    # about 0.3 s for a 49k-token vocabulary, once per engine
+                    self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                        self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None)
+                except Exception as exc:  # remembered: every later schema is refused at once, not rebuilt
+                    self._tokenizer_error = f"{exc}"
+            if self._tokenizer_error is not None:
+                raise ParamError(param, f"structured output is not available for this model: "
+                                        f"{self._tokenizer_error}")
             return self._ll_tokenizer
 
     def compile(self, schema: dict, param: str = "json_schema") -> Any:
@@ -149,8 +158,10 @@ class StructuredOutputs:
                 self.num_cache_hits += 1
                 return hit
         tok = self._tokenizer(param)
+        if self._limits is None:
+            self._limits = llguidance.LLParserLimits(verbose_errors=False)
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_DEFAULTS)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OVERRIDES)
         except RecursionError:
             raise ParamError(param, "the JSON schema is nested too deeply") from None
         except ValueError as exc:

@@ -5,9 +5,9 @@ shuts down or the engine's queue is full (503, before the body is read: `middlew
 resolve `model` (404 for anything not the base model or the caller's own adapter; read in the same
 database session as the API key, `api/deps.get_model_call`);
 bound the fan-out (`n`, prompts, sequences: 400 before tokenizing); tokenize off the event loop; check
-lengths and sampling values against the model (400 naming the field); compile `response_format`'s
-schema in a worker thread (400 `param: "response_format"` with the grammar library's reason); reserve
-quota (429); register the
+lengths and sampling values against the model (400 naming the field); reserve quota (429); compile
+`response_format`'s schema in a worker thread (400 `param: "response_format"` with the grammar
+library's reason; the reservation is refunded); register the
 adapter if needed; queue the call's engine requests all or none (503 `server_overloaded` when the
 engine's waiting queue has no room, by count, tokens or estimated wait; the reservation is refunded).
 A detached task waits for the engine requests to end, then refunds unused tokens, records usage and
@@ -128,11 +128,6 @@ class Completions:
         if any(not p for p in prompts):
             raise invalid_request("The prompt is empty.", param=prompt_param_of(kind))
         max_tokens = check_lengths(self.engine, self.settings, kind, body, prompts)
-        if body.json_schema is not None:  # compiled off the event loop and the step loop, then cached
-            try:
-                await self.engine.compile_schema(body.json_schema)
-            except ParamError as e:
-                raise invalid_request(f"The response_format cannot be honoured: {e}", param="response_format") from None
         priority = call_priority(body, caller)
         params = sampling_params(self.engine.model_config.vocab_size, body, len(prompts), max_tokens, priority)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -168,8 +163,8 @@ class Completions:
         return engine_overloaded(retry_after_s)
 
     async def _start(self, request: Request, gate: QuotaGate, c: Completion) -> tuple[Generation, Ticket]:
-        """Reserve quota, then register the adapter if needed and queue the call's engine requests, all or
-        none, in one engine command."""
+        """Reserve quota, compile the call's schema if any, then register the adapter if needed and queue
+        the call's engine requests, all or none, in one engine command."""
         body, caller, engine = c.body, gate.caller, self.engine
         # Admission counts the call as the sequences it runs: each reserves its prompt and max_tokens and holds
         # a concurrency slot. The refund at the end brings the charge down to the usage reported.
@@ -182,6 +177,8 @@ class Completions:
         try:
             prompts = [p for p in c.prompts for _ in range(body.n)]
             try:
+                if body.json_schema is not None:  # in a worker thread, once the caller is admitted; cached
+                    await compile_schema(engine, body.json_schema)
                 gen = await Generation.start(engine, prompts, list(c.params), c.engine_adapter, c.request_id,
                                              caller.tenant_id, adapter_path=c.adapter_path,
                                              adapter_digest=c.adapter_digest,
@@ -224,6 +221,15 @@ class Completions:
         for i, ch in enumerate(gen.choices):
             self.metrics.observe_generation(caller.tenant_name, num_prompt if i == 0 else 0,
                                             len(ch.token_ids), ch.ttft_s, ch.latency_s)
+
+
+async def compile_schema(engine: EngineClient, schema: dict) -> None:
+    """Compile `response_format`'s schema (`EngineClient.compile_schema`); 400 naming `response_format`
+    with the grammar library's reason if it cannot be honoured."""
+    try:
+        await engine.compile_schema(schema)
+    except ParamError as e:
+        raise invalid_request(f"The response_format cannot be honoured: {e}", param="response_format") from None
 
 
 def check_fan_out(settings: Settings, kind: str, n: int, num_prompts: int) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 
 JSON_OBJECT_SCHEMA = {"type": "object"}
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
 _TYPES = ("text", "json_object", "json_schema")
 
 
@@ -38,7 +38,7 @@ def parse_response_format(value: dict | None) -> dict | None:
         raise ValueError("response_format.json_schema must be an object with `name` and `schema` when type is "
                          "'json_schema'")
     name = spec.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError("response_format.json_schema.name must be 1-64 characters of a-z, A-Z, 0-9, _ and -, "
                          f"got {name!r}")
     schema = spec.get("schema")

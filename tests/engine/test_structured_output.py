@@ -252,3 +252,28 @@ def test_a_schema_too_deep_to_hash_is_refused_not_raised(structured):
         schema = {"type": "object", "properties": {"a": schema}}
     with pytest.raises(ParamError, match="the JSON schema is nested too deeply"):
         structured.compile(schema, "response_format")
+
+
+def test_a_schemas_x_guidance_cannot_change_the_form_of_the_json(structured, tokenizer):
+    schema = {"type": "array", "items": {"type": "integer"},
+              "x-guidance": {"item_separator": ";", "whitespace_flexible": True, "lenient": True}}
+
+    def follows(text: str) -> bool:
+        state = structured.new_state(schema)
+        try:
+            state.sync(tokenizer.encode(text, add_special_tokens=False))
+        except ValueError:
+            return False
+        return True
+
+    assert follows("[1,2]") and not follows("[1;2]") and not follows("[ 1")
+    with pytest.raises(ParamError, match="Unimplemented keys"):  # lenient would have ignored `not`
+        structured.compile({"not": {"type": "string"}, "x-guidance": {"lenient": True}})
+
+
+def test_a_model_without_a_tokenizer_refuses_every_schema_with_the_reason():
+    none = StructuredOutputs(None, 100, [0])
+    for _ in range(2):  # the reason is remembered, not rebuilt
+        with pytest.raises(ParamError, match="structured output is not available for this model: this model has "
+                                             "no tokenizer"):
+            none.compile({"type": "integer"})
