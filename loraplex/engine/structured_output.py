@@ -47,9 +47,15 @@ MAX_CACHED_GRAMMARS = 512  # distinct schemas kept compiled (LRU)
 _JSON_OVERRIDES = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":", "lenient": False}
 
 
+class GrammarError(ValueError):
+    """A request's grammar failed while it was generating (the library's parser or lexer limits, a token it
+    refused): the schema is beyond what it can follow, and a retry fails the same way."""
+
+
 def schema_key(schema: dict) -> str:
-    """The canonical hash of a JSON Schema: sha256 of its JSON with sorted keys and no whitespace."""
-    text = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """The canonical hash of a JSON Schema: sha256 of its JSON with sorted keys and no whitespace. Raises
+    ValueError for NaN or Infinity (not JSON), RecursionError when nested past Python's limit."""
+    text = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -73,7 +79,7 @@ class GrammarState:
             self.num_consumed = 0
             self.num_rebuilds += 1
             if tokens and not self.matcher.consume_tokens(tokens):
-                raise ValueError(f"the output does not follow its grammar: {self.matcher.get_error()}")
+                raise GrammarError(f"the output does not follow its grammar: {_reason(self.matcher.get_error())}")
             self.num_consumed = len(tokens)
 
     def forget(self) -> None:
@@ -81,10 +87,10 @@ class GrammarState:
         self.num_consumed = -1
 
     def accept(self, token: int) -> None:
-        """Advance by one sampled token. Raises ValueError if the grammar refuses it (never for a token
-        drawn under this state's mask)."""
+        """Advance by one sampled token. Raises GrammarError if the grammar refuses it (a token drawn under
+        this state's mask can still exceed the library's limits)."""
         if not self.matcher.consume_token(token):
-            raise ValueError(f"token {token} does not follow the grammar: {self.matcher.get_error()}")
+            raise GrammarError(f"token {token} does not follow the grammar: {_reason(self.matcher.get_error())}")
         self.num_consumed += 1
 
     @property
@@ -149,7 +155,9 @@ class StructuredOutputs:
             key = schema_key(schema)
         except RecursionError:
             raise ParamError(param, "the JSON schema is nested too deeply") from None
-        except (TypeError, ValueError) as exc:
+        except ValueError:
+            raise ParamError(param, "the JSON schema contains NaN or Infinity, which JSON does not allow") from None
+        except TypeError as exc:
             raise ParamError(param, f"the JSON schema cannot be serialized: {exc}") from None
         with self._lock:
             hit = self._cache.get(key)
@@ -168,11 +176,13 @@ class StructuredOutputs:
             raise ParamError(param, f"invalid JSON schema: {exc}") from None
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok, limits=self._limits)
         if is_error:
-            raise ParamError(param, f"invalid JSON schema: {'; '.join(messages)}")
+            raise ParamError(param, f"invalid JSON schema: {'; '.join(_reason(m) for m in messages)}")
         matcher = llguidance.LLMatcher(tok, grammar, log_level=0, limits=self._limits)
         if matcher.is_error():
-            raise ParamError(param, f"invalid JSON schema: {matcher.get_error()}")
-        _fill(matcher, np.empty(_num_words(self.vocab_size), dtype=np.int32))  # builds the lexer here, not in a step
+            raise ParamError(param, f"invalid JSON schema: {_reason(matcher.get_error())}")
+        reason = _probe(matcher, self.vocab_size)
+        if reason:
+            raise ParamError(param, f"invalid JSON schema: {reason}")
         with self._lock:
             self.num_compiled += 1
             self._cache[key] = matcher
@@ -184,6 +194,27 @@ class StructuredOutputs:
     def new_state(self, schema: dict) -> GrammarState:
         """A fresh `GrammarState` for one request (ParamError naming "json_schema", as in `compile`)."""
         return GrammarState(self.compile(schema))
+
+
+def _reason(message: str) -> str:
+    """llguidance's error text as one line, without the placeholder its non-verbose mode appends."""
+    return " ".join(message.replace("<non-verbose/>", "").split())
+
+
+def _probe(matcher, vocab_size: int) -> str:
+    """Compute `matcher`'s first mask (which builds its lexer here rather than in a step), then, on a
+    copy, consume the tokens the grammar forces and compute the next one: the error a grammar that
+    validates can still hit there (a $ref that never reaches a value: "NoExtensionBias"; too many
+    parser items), or "" when none."""
+    words = np.empty(_num_words(vocab_size), dtype=np.int32)
+    _fill(matcher, words)
+    if matcher.is_error():
+        return _reason(matcher.get_error())
+    probe = matcher.deep_copy()
+    forced = probe.compute_ff_tokens()
+    if forced and probe.consume_tokens(forced):
+        _fill(probe, words)
+    return _reason(probe.get_error()) if probe.is_error() else ""
 
 
 def _num_words(vocab_size: int) -> int:
@@ -206,7 +237,7 @@ _BYTE_BIAS = torch.tensor([[0.0 if (b >> i) & 1 else float("-inf") for i in rang
 def apply_grammar_masks_(logits: torch.Tensor, requests: list) -> list[int]:
     """logits: [B, V], row i for requests[i]. In place: for each request with a `grammar` (a `GrammarState`,
     brought to its output tokens), the logits of the tokens its grammar disallows become -inf (the others
-    gain +0.0); rows without one are not touched. Idempotent. Returns the rows masked. Raises ValueError
+    gain +0.0); rows without one are not touched. Idempotent. Returns the rows masked. Raises GrammarError
     when a grammar is in an error state (for example, its parser ran out of fuel) or allows no token."""
     rows = [i for i, r in enumerate(requests) if r.grammar is not None]
     if not rows:
@@ -218,9 +249,9 @@ def apply_grammar_masks_(logits: torch.Tensor, requests: list) -> list[int]:
         state.sync(requests[i].output_token_ids)
         _fill(state.matcher, words[j])
         if state.matcher.is_error():
-            raise ValueError(f"the grammar failed: {state.matcher.get_error()}")
+            raise GrammarError(f"the grammar failed: {_reason(state.matcher.get_error())}")
     if not words.any(axis=1).all():
-        raise ValueError("the grammar allows no next token")
+        raise GrammarError("the grammar allows no next token")
     # little-endian words: byte k of a row holds tokens 8k..8k+7, bit i token 8k+i
     codes = torch.from_numpy(words.view(np.uint8)).to(torch.int32)  # [B', 4W]
     bias = torch.empty(codes.shape[1], 8)  # one row's [V] bias (padded to 32W), reused

@@ -1,6 +1,7 @@
 """A completion's answer: the JSON body (`response_body`, through the pydantic models of
 `openai_responses`), the SSE stream in OpenAI's chunk format (`stream`), and what a request the engine
-ended early answers (503 `engine_error`, or `server_shutting_down` when shutdown's grace ran out).
+ended early answers (503 `engine_error`, 400 `response_format` when its grammar failed while
+generating, or `server_shutting_down` when shutdown's grace ran out).
 """
 
 from __future__ import annotations
@@ -9,8 +10,15 @@ import asyncio
 import json
 from typing import TYPE_CHECKING
 
+from loraplex.engine.structured_output import GrammarError
 from loraplex.platform.engine_client import Generation
-from loraplex.platform.errors import APIError, adapter_load_failed, shutting_down, unavailable
+from loraplex.platform.errors import (
+    APIError,
+    adapter_load_failed,
+    invalid_request,
+    shutting_down,
+    unavailable,
+)
 from loraplex.platform.logprobs import chat_content, completion_logprobs
 from loraplex.platform.openai_responses import (
     AssistantMessage,
@@ -37,6 +45,9 @@ def error_of(c: Completion, error: str | None, is_adapter_failure: bool) -> APIE
     """The answer for a choice the engine ended early: its error, or shutdown when it has none."""
     if error is None:  # aborted by the gateway with no fault: shutdown's grace ran out
         return shutting_down()
+    if error.startswith(f"{GrammarError.__name__}: "):  # the schema's fault, and a retry fails the same way
+        return invalid_request(f"The response_format's grammar failed while generating: "
+                               f"{error.split(': ', 1)[1]}. Simplify the schema.", param="response_format")
     # the engine's reason reads "adapter '<engine name>' could not be ...: <why>": the tenant sees its own name
     return adapter_load_failed(c.adapter, error.split(": ", 1)[-1]) if is_adapter_failure else engine_error()
 

@@ -62,6 +62,8 @@ def test_the_cache_is_bounded(tokenizer):
     ({"type": "frob"}, "Invalid type: frob"),
     ({"type": "integer", "minimum": 3, "maximum": 2}, "Unsatisfiable schema: minimum (3) is greater than maximum (2)"),
     ({"$ref": "#/$defs/missing"}, "Pointer '/$defs/missing' does not exist"),
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "NoExtensionBias"),
+    ({"type": "string", "pattern": "^(a{1000}){1000}$"}, "lexer error: too many expressions constructed"),
 ])
 def test_a_refused_schema_says_the_librarys_reason(structured, schema, reason):
     with pytest.raises(ParamError) as e:

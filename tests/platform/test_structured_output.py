@@ -161,6 +161,11 @@ def test_completions_take_response_format_too(client):
      "than maximum (1)"),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(("}}},
      None),  # the regex parser's multi-line reason
+    # valid to the validator, but no value can ever be generated: found by the compile's probe, not mid-answer
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$defs": {"a": {"$ref": "#/$defs/a"}},
+                                                                       "$ref": "#/$defs/a"}}},
+     "The response_format cannot be honoured: invalid JSON schema: NoExtensionBias"),
+
     ({"type": "json_schema", "json_schema": {"name": "x"}},
      "response_format.json_schema.schema must be a JSON Schema object, got nothing"),
     ({"type": "json_schema", "json_schema": {"name": "has space", "schema": {}}},
@@ -205,3 +210,23 @@ def test_a_schema_nested_too_deeply_is_a_400_not_a_crash(tenant, depth, param, m
     assert r.status_code == 400, r.text
     assert r.json()["error"] == {"message": message, "type": "invalid_request_error", "param": param, "code": None}
     assert tenant.chat().status_code == 200
+
+
+def test_a_grammar_that_fails_mid_answer_is_a_400_not_a_retryable_503():
+    from loraplex.engine.structured_output import GrammarError
+    from loraplex.platform.completion_response import error_of
+
+    err = error_of(None, f"{GrammarError.__name__}: the grammar failed: lexer error: too many expressions", False)
+    assert err.status_code == 400 and err.param == "response_format"
+    assert err.message == ("The response_format's grammar failed while generating: the grammar failed: lexer error: "
+                           "too many expressions. Simplify the schema.")
+    assert error_of(None, "ValueError: something else", False).status_code == 503
+
+
+def test_nan_in_a_schema_is_refused_not_turned_into_null(tenant):
+    head = json.dumps({"model": BASE_MODEL, "messages": user("Hi"), "max_tokens": 2})[:-1]
+    body = head + ', "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"enum": [NaN]}}}}'
+    r = tenant.client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"] == {
+        "message": "The response_format cannot be honoured: the JSON schema contains NaN or Infinity, which JSON does "
+                   "not allow", "type": "invalid_request_error", "param": "response_format", "code": None}
