@@ -57,7 +57,7 @@ class StructuredSpec:
     num_requests: int = 32
     max_tokens: int = 64
     fractions: tuple[float, ...] = (0.0, 0.5, 1.0)
-    repeats: int = 2
+    repeats: int = 4
     dtype: str = "auto"
 
 
@@ -225,7 +225,7 @@ def write_report(out: Path, runs: list[Run], compiles: tuple[list[dict], float, 
         f"One-time tokenizer set-up: llguidance {ll_setup:.2f} s"
         + (f", xgrammar {xgr_setup:.2f} s." if xgr_setup is not None else " (xgrammar not installed)."),
         "llguidance: *compile* is `StructuredOutputs.compile` on a schema it has not seen (to grammar, validate, "
-        "build the matcher, warm its lexer with one mask), *cached* the same call after, *copy* the per-request "
+        "build the matcher, probe its first masks and forced tokens), *cached* the same call after, *copy* the per-request "
         "matcher (`deep_copy`), *fill* one mask at the start. xgrammar: `compile_json_schema` (compact JSON, its "
         "cache off), `GrammarMatcher` per request, `fill_next_token_bitmask`. Medians of 50 where in us.",
         "",
