@@ -15,7 +15,7 @@ The life of a schema, the way vLLM's structured-output manager splits it:
   It runs off the engine's step loop: the gateway and `AsyncLLM.submit_to` call it in a worker thread
   before the request is queued (llguidance drops the GIL while it builds), so a slow schema delays its
   own request only. A schema it refuses raises ParamError with the library's reason.
-- Each request gets its own `GrammarState`, a copy of the cached matcher (10-40 us). Its state is a
+- Each request gets its own `GrammarState`, a copy of the cached matcher (1-40 us). Its state is a
   function of the request's output tokens: `sync(tokens)` replays them into a fresh copy whenever the
   two disagree (after preemption and recompute the engine forgets the state and it is rebuilt here).
 - Each step, `apply_grammar_masks_` fills one bitmask row per constrained request and sets the logits
@@ -73,7 +73,7 @@ class GrammarState:
 
     def sync(self, tokens: list[int]) -> None:
         """Bring the matcher to the state after `tokens` (the request's output), replaying them into a
-        fresh copy when it has consumed a different number. Raises ValueError if they break the grammar."""
+        fresh copy when it has consumed a different number. Raises GrammarError if they break the grammar."""
         if self.num_consumed != len(tokens):
             self.matcher = self._pristine.deep_copy()
             self.num_consumed = 0
@@ -116,8 +116,7 @@ class StructuredOutputs:
         self.max_cached = max_cached
         self._ll_tokenizer = None
         self._tokenizer_error: str | None = None
-        # default limits: at most about 15 ms of mask work per row and step (llguidance's "fuel")
-        self._limits = None
+        self._limits = None  # llguidance's parser limits, built with the tokenizer
         self._cache: OrderedDict[str, Any] = OrderedDict()  # schema key -> pristine LLMatcher
         self._lock = threading.Lock()
         self.num_compiled = 0  # schemas built (cache misses)
@@ -135,6 +134,8 @@ class StructuredOutputs:
                     # about 0.3 s for a 49k-token vocabulary, once per engine
                     self._ll_tokenizer = llguidance.hf.from_tokenizer(
                         self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None)
+                    # the default fuel: at most about 15 ms of mask work per row and step
+                    self._limits = llguidance.LLParserLimits(verbose_errors=False)
                 except Exception as exc:  # remembered: every later schema is refused at once, not rebuilt
                     self._tokenizer_error = f"{exc}"
             if self._tokenizer_error is not None:
@@ -166,8 +167,6 @@ class StructuredOutputs:
                 self.num_cache_hits += 1
                 return hit
         tok = self._tokenizer(param)
-        if self._limits is None:
-            self._limits = llguidance.LLParserLimits(verbose_errors=False)
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OVERRIDES)
         except RecursionError:

@@ -7,8 +7,8 @@
 
 The shape is checked here (a ValueError whose message names the member; the request schema reports it
 under `param: "response_format"`); whether the schema itself can be honoured is the grammar library's
-call (`engine.structured_output.StructuredOutputs.compile`, run by `Completions.prepare` before
-anything is queued or charged). `strict` is accepted either way: the output always follows the schema
+call (`engine.structured_output.StructuredOutputs.compile`, run by `Completions._start` once the
+quota admitted the call and before anything is queued; a refusal is refunded). `strict` is accepted either way: the output always follows the schema
 (as vLLM does), and OpenAI's strict-mode subset rules are not imposed on the schema. `/v1/completions`
 takes the same field (as vLLM's does).
 """
