@@ -40,9 +40,23 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from loraplex.platform.serve import serve
+    if args.replicas is None:
+        if args.ray_address or args.ingresses is not None:
+            print("error: --ray-address and --ingresses need --replicas N (scale-out on Ray Serve)", file=sys.stderr)
+            return 2
+        from loraplex.platform.serve import serve
 
-    return serve(host=args.host, port=args.port, model=args.model, log_level=args.log_level)
+        return serve(host=args.host, port=args.port, model=args.model, log_level=args.log_level)
+    import logging
+    import os
+
+    from loraplex.platform.config import Settings
+    from loraplex.platform.scaleout.app import serve_on_ray
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("model", args.model)) if v is not None}
+    return serve_on_ray(Settings(**overrides), args.replicas, args.ingresses or 1, args.router,
+                        args.ray_address or os.environ.get("RAY_ADDRESS"), args.replica_cpus)
 
 
 def _build_kernels(args: argparse.Namespace) -> int:
@@ -83,6 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--port", type=int, help="default LORAPLEX_PORT or 8000")
     srv.add_argument("--model", help="default LORAPLEX_MODEL or smollm2-135m-instruct")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    scale = srv.add_argument_group("scale-out on Ray Serve (pip install 'loraplex[ray]'; docs/scale-out.md)")
+    scale.add_argument("--replicas", type=int, metavar="N", help="run N engine replicas on Ray Serve")
+    scale.add_argument("--ingresses", type=int, metavar="M", help="gateway processes in front of them (default 1)")
+    scale.add_argument("--ray-address", help="an existing Ray cluster (default RAY_ADDRESS, else a local instance)")
+    scale.add_argument("--router", default="affinity", choices=["affinity", "pow2"],
+                       help="adapter-affinity routing, or Ray Serve's default power-of-two choices")
+    scale.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per engine replica (its threads)")
     sub.add_parser("build-kernels", help="build the compiled CPU LoRA kernel now (otherwise at the first start)")
     args = parser.parse_args(argv)
     commands = {"serve": _serve, "generate": _generate, "build-kernels": _build_kernels}

@@ -147,14 +147,16 @@ class Completions:
             if c.engine_adapter is not None and not running:
                 self.engine.release(c.engine_adapter)
         finalized = self.lifecycle.spawn(self._finalize(gate.caller, c, gen, ticket))
+        headers = {**ticket.headers, "x-request-id": c.request_id}
+        if gen.replica is not None:  # scale-out: which engine replica served it (docs/scale-out.md)
+            headers["x-loraplex-replica"] = gen.replica
         if c.body.stream:
-            headers = {**ticket.headers, "cache-control": "no-cache", "x-request-id": c.request_id}
+            headers["cache-control"] = "no-cache"
             return StreamingResponse(stream(c, gen, finalized), media_type="text/event-stream", headers=headers)
         if not await wait_or_disconnect(request, gen):
             return Response(status_code=499)  # nobody is listening
         await asyncio.shield(finalized)  # the client sees its response after its quota is settled
-        return JSONResponse(response_body(c, gen).model_dump(),
-                            headers={**ticket.headers, "x-request-id": c.request_id})
+        return JSONResponse(response_body(c, gen).model_dump(), headers=headers)
 
     def overloaded_answer(self, caller: Caller, c: Completion, retry_after_s: float = 1.0) -> APIError:
         """The 503 for a call the engine shed because its queue has no room, counted in /metrics."""

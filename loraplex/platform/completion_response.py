@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING
 from loraplex.engine.structured_output import GrammarError
 from loraplex.platform.engine_client import Generation
 from loraplex.platform.errors import (
+    REPLICA_LOST,
     APIError,
     adapter_load_failed,
     invalid_request,
+    replica_lost,
     shutting_down,
     unavailable,
 )
@@ -45,6 +47,8 @@ def error_of(c: Completion, error: str | None, is_adapter_failure: bool) -> APIE
     """The answer for a choice the engine ended early: its error, or shutdown when it has none."""
     if error is None:  # aborted by the gateway with no fault: shutdown's grace ran out
         return shutting_down()
+    if error.startswith(f"{REPLICA_LOST}: "):
+        return replica_lost()
     if error.startswith(f"{GrammarError.__name__}: "):  # the schema's fault, and a retry fails the same way
         return invalid_request(f"The response_format's grammar failed while generating: "
                                f"{error.split(': ', 1)[1]}. Simplify the schema.", param="response_format")

@@ -79,6 +79,10 @@ class Settings(BaseSettings):
     concurrency_lease_s: float = 600.0  # a crashed process's concurrency slots expire after this
     db_pool_size: int | None = Field(None, ge=1)  # None: sized for the gateway's worker threads (db.py)
 
+    # scale-out (`--replicas`): a call stays on a replica holding its adapter unless that replica has this
+    # many more requests ongoing than the least loaded one (scaleout/router.py)
+    affinity_slack: int = Field(8, ge=0)
+
     shutdown_grace_s: float = Field(25.0, ge=0)  # SIGTERM: running requests get this long to finish (serve.py)
 
     admin_key: SecretStr | None = None

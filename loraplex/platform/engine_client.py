@@ -35,10 +35,17 @@ class EngineClient:
         self.tokenizer = core.tokenizer
         self.model_config = core.model_config
         self.max_lora_rank = core.config.max_lora_rank
+        self.max_num_seqs = core.config.max_num_seqs
         self.max_model_len = core.model_config.max_model_len
         self.kv_capacity_tokens = core.block_manager.num_blocks * core.block_manager.block_size
+        self._init_counters()
+
+    def _init_counters(self) -> None:
         self.num_running_by_adapter: Counter[str] = Counter()
         self.num_admitting = 0  # requests between the door and submit (event loop only)
+
+    async def start(self) -> None:
+        """Ready for the routes (the in-process engine is, once built; `RayEngineClient` asks a replica)."""
 
     # adapters -----------------------------------------------------------------------------------
     def hold(self, name: str) -> None:
@@ -112,6 +119,18 @@ class EngineClient:
     def shutdown(self) -> None:
         self.llm.shutdown()
 
+    # requests -----------------------------------------------------------------------------------
+    async def submit_to(self, prompts: list[list[int]], params: list[SamplingParams], request_ids: list[str],
+                        sink, **kwargs) -> str | None:
+        """Queue one call's requests, all or none (`AsyncLLM.submit_to`: same arguments and errors);
+        returns the name of the replica that runs them (None: this process's engine)."""
+        await self.llm.submit_to(prompts, params, request_ids, sink, **kwargs)
+        return None
+
+    def abort_nowait(self, *request_ids: str) -> None:
+        """Abort requests of calls queued by `submit_to` without waiting (safe in a `finally`)."""
+        self.llm.abort_nowait(*request_ids)
+
 
 def engine_stats(core) -> dict:
     """A snapshot of an LLMEngine (call on its thread). `adapters` is `AdapterManager.adapter_stats()`:
@@ -182,6 +201,7 @@ class Generation:
         self.request_ids = request_ids
         self.choices = [Choice() for _ in request_ids]
         self.is_cancelled = False  # by the gateway: the client went away
+        self.replica: str | None = None  # the engine replica that runs the call (None: in this process)
         self._index = {rid: i for i, rid in enumerate(request_ids)}
         self._num_open = len(request_ids)
         self._pending: list[tuple[int, RequestOutput]] = []
@@ -199,9 +219,9 @@ class Generation:
         stream=False: the deltas are not kept (each carries the output so far, so keeping all of them
         would hold memory quadratic in the output's length); only `choices` and `wait()` are used."""
         gen = cls(service, [f"{request_id}-{i}" for i in range(len(params))], stream)
-        await service.llm.submit_to(prompts, params, gen.request_ids, gen._feed, adapter=adapter,
-                                    adapter_path=adapter_path, adapter_digest=adapter_digest, tenant_id=tenant_id,
-                                    tenant_weight=tenant_weight)
+        gen.replica = await service.submit_to(prompts, params, gen.request_ids, gen._feed, adapter=adapter,
+                                              adapter_path=adapter_path, adapter_digest=adapter_digest,
+                                              tenant_id=tenant_id, tenant_weight=tenant_weight)
         return gen
 
     @property
@@ -258,7 +278,7 @@ class Generation:
             return
         self.is_cancelled = True
         running = [rid for rid, c in zip(self.request_ids, self.choices, strict=True) if c.finish_reason is None]
-        self.service.llm.abort_nowait(*running)
+        self.service.abort_nowait(*running)
 
     async def wait(self) -> None:
         """Until every engine request has ended (finished or aborted, its KV blocks freed)."""

@@ -91,6 +91,18 @@ def shutting_down() -> APIError:
                        code="server_shutting_down")
 
 
+# How a scale-out client (`scaleout/client.py`) marks the requests of an engine replica that died under
+# them: `RequestOutput.error` starts with this and ": ".
+REPLICA_LOST = "ReplicaLost"
+
+
+def replica_lost() -> APIError:
+    """503 for a request whose engine replica died while running it (Ray restarts it; a retry goes to a
+    live replica)."""
+    return unavailable("The engine replica serving this request stopped; retry (another replica takes it).",
+                       code="replica_unavailable")
+
+
 def engine_overloaded(retry_after_s: float = 1.0) -> APIError:
     return overloaded("The engine is at capacity and its queue is full; retry after the time in `retry-after`.",
                       retry_after_s=retry_after_s)

@@ -64,24 +64,37 @@ def load_engine(settings: Settings, *, start: bool = True) -> EngineClient:
     return EngineClient(AsyncLLM(settings.model, start=start, **settings.engine_kwargs()), settings.model_id)
 
 
-def open_gateway(settings: Settings, engine: EngineClient | None = None, *, migrate: bool = True) -> Gateway:
-    """Apply migrations, make sure an admin key exists (printing a new one once), open the adapter store
-    (moving in files of older gateways), start the engine (unless one is passed in, which the caller
-    keeps owning) and the usage writer."""
+def prepare_storage(settings: Settings, sessions: sessionmaker[Session] | None = None) -> None:
+    """Bring the database and adapter store up to date, once per deployment before its gateways serve:
+    apply migrations (Alembic), make sure an admin key exists (printing a new one once), move in the
+    adapter files of older gateways. `sessions`: the database's (default: a connection opened here)."""
     settings.home.mkdir(parents=True, exist_ok=True)
     url = settings.sqlalchemy_url
-    if migrate:
-        db.upgrade(url)  # the schema (Alembic); the store's files below, once the store is open
-    db_engine = db.make_engine(url, settings.db_pool_size)
+    db.upgrade(url)  # the schema; the store's files below, once the store is open
+    own = db.make_engine(url, 1) if sessions is None else None
+    try:
+        sessions = sessions or db.make_session_factory(own)
+        with sessions() as s:
+            admin = settings.admin_key.get_secret_value() if settings.admin_key else None
+            new_key = crud.ensure_admin_key(s, admin)
+        if new_key is not None:
+            print(f"\nloraplex: created the admin key (shown once, store it now):\n\n    {new_key}\n", flush=True)
+        adopt_legacy_files(AdapterStore(settings.adapters_dir), sessions)
+    finally:
+        if own is not None:
+            own.dispose()
+
+
+def open_gateway(settings: Settings, engine: EngineClient | None = None, *, migrate: bool = True) -> Gateway:
+    """`prepare_storage` (unless migrate=False: done already), open the database and adapter store, start
+    the engine (unless one is passed in, which the caller
+    keeps owning) and the usage writer."""
+    settings.home.mkdir(parents=True, exist_ok=True)
+    db_engine = db.make_engine(settings.sqlalchemy_url, settings.db_pool_size)
     sessions = db.make_session_factory(db_engine)
-    with sessions() as s:
-        admin = settings.admin_key.get_secret_value() if settings.admin_key else None
-        new_key = crud.ensure_admin_key(s, admin)
-    if new_key is not None:
-        print(f"\nloraplex: created the admin key (shown once, store it now):\n\n    {new_key}\n", flush=True)
-    store = AdapterStore(settings.adapters_dir)
     if migrate:
-        adopt_legacy_files(store, sessions)
+        prepare_storage(settings, sessions)
+    store = AdapterStore(settings.adapters_dir)
     if settings.redis_url:
         from loraplex.platform.quotas.redis_backend import RedisBackend
 

@@ -15,13 +15,16 @@ from loraplex.platform.gateway import open_gateway
 from loraplex.platform.middleware import BodyLimitMiddleware, ShedMiddleware
 
 
-def create_app(settings: Settings | None = None, engine: EngineClient | None = None) -> FastAPI:
-    """The gateway app. `engine`: an already loaded engine to share (tests); the app then leaves it running."""
+def create_app(settings: Settings | None = None, engine: EngineClient | None = None, *,
+               migrate: bool = True) -> FastAPI:
+    """The gateway app. `engine`: an already loaded engine to share (tests, or the engine replicas of a
+    scale-out); the app then leaves it running. migrate=False: the schema and the store's files are
+    already up to date (a scale-out's driver migrated once, before starting the ingresses)."""
     settings = settings or Settings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.gateway = open_gateway(settings, engine)
+        app.state.gateway = open_gateway(settings, engine, migrate=migrate)
         try:
             yield
         finally:

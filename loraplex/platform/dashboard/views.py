@@ -215,7 +215,7 @@ async def engine_panel(gw: Gateway, throughput: Throughput) -> tuple[EnginePanel
     panel = EnginePanel(
         model=gw.engine.model_id, quota_store="degraded" if gw.quotas.degraded else "ok",
         num_running=stats["num_running"], num_waiting=stats["num_waiting"],
-        max_num_seqs=gw.engine.llm.engine.config.max_num_seqs, kv_cache_usage=stats["kv_cache_usage"],
+        max_num_seqs=gw.engine.max_num_seqs, kv_cache_usage=stats["kv_cache_usage"],
         num_kv_blocks=stats["num_kv_blocks"], num_free_kv_blocks=stats["num_free_kv_blocks"],
         num_preemptions=stats["num_preemptions"], tokens_per_s=throughput.rate(stats["num_generated_tokens"]),
         tiers=tiers, scheduling_policy=stats["scheduling_policy"], shares=await share_rows(gw, stats["tenants"]),

@@ -1,0 +1,204 @@
+"""`RayEngineClient`: the gateway's `EngineClient` over a Ray Serve handle to the engine replicas.
+
+The routes see the same surface as in one process. A call is one streaming request to a replica
+(`replica.EngineReplica.generate`) with the call's engine adapter name as Serve's multiplexed model id,
+so the router can send it where that adapter is resident. Its outputs are rebuilt here from the wire's
+deltas (each request's token ids, text and logprobs accumulate on this side) and handed to the call's
+sink on the event loop, one hand-off per replica step as in one process.
+
+Faults, as the routes answer them:
+- the replica refuses the call: EngineOverloadedError (503 `server_overloaded`) or ValueError (400);
+- Serve's queue in front of the replicas is full (`BackPressureError`): EngineOverloadedError;
+- the replica is gone before it accepts the call: tried on another replica, up to `SUBMIT_ATTEMPTS`
+  times, then 503 `replica_unavailable`; nothing ran, so nothing is charged;
+- the replica dies while it runs the call: each unfinished request ends with finish reason "abort" and
+  an error starting with `REPLICA_LOST` (503 `replica_unavailable` with retry-after, or an SSE error
+  event once streaming), and its usage is recorded as every other ended request's is.
+Cancelling (the client disconnected, `abort_nowait`) cancels the Serve request; the replica aborts the
+engine requests and frees their KV blocks.
+
+What stays per replica: deleting an adapter waits for this ingress's calls on it, and the replicas
+forget it by LRU (no request reaches it again: the gateway answers 404 first). `stats()` is the
+snapshot of one replica (the router's choice), named under "replica".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from loraplex.engine.errors import EngineOverloadedError
+from loraplex.engine.request import RequestOutput
+from loraplex.engine.sampling_params import ParamError, SamplingParams
+from loraplex.platform.engine_client import EngineClient
+from loraplex.platform.errors import REPLICA_LOST, replica_lost
+from loraplex.platform.scaleout.replica import WireOutput
+
+logger = logging.getLogger(__name__)
+
+SUBMIT_ATTEMPTS = 3  # replicas tried for a call before 503 replica_unavailable (nothing ran on any)
+_LOST = (RayActorError, ActorUnavailableError, DeploymentUnavailableError)
+
+
+class _Accumulated:
+    """One request's output so far, rebuilt from its `WireOutput` deltas."""
+
+    __slots__ = ("prompt_token_ids", "token_ids", "text", "logprobs")
+
+    def __init__(self, prompt_token_ids: list[int]):
+        self.prompt_token_ids = prompt_token_ids
+        self.token_ids: list[int] = []
+        self.text: list[str] = []
+        self.logprobs: list | None = None
+
+    def output(self, w: WireOutput, adapter: str | None) -> RequestOutput:
+        self.token_ids.extend(w.delta_token_ids)
+        self.text.append(w.delta_text)
+        if w.delta_logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(w.delta_logprobs)
+        done = w.finish_reason is not None
+        token_ids = w.token_ids if done and w.token_ids is not None else (lambda ids=self.token_ids: list(ids))
+        text = w.text if done and w.text is not None else (lambda parts=self.text: "".join(parts))
+        return RequestOutput(w.request_id, self.prompt_token_ids, token_ids, text, w.finish_reason, adapter,
+                             ttft_s=w.ttft_s, latency_s=w.latency_s, delta_text=w.delta_text,
+                             delta_token_ids=w.delta_token_ids, error=w.error, adapter_failed=w.adapter_failed,
+                             num_cached_tokens=w.num_cached_tokens, logprobs=self.logprobs,
+                             delta_logprobs=w.delta_logprobs)
+
+    def ended(self, request_id: str, adapter: str | None, error: str | None) -> RequestOutput:
+        """The last output of a request whose stream broke (error set) or that this side aborted."""
+        return RequestOutput(request_id, self.prompt_token_ids, list(self.token_ids), "".join(self.text), "abort",
+                             adapter, error=error, logprobs=self.logprobs)
+
+
+class _Call:
+    """One call's stream from its replica and the requests of it still running."""
+
+    def __init__(self, stream: DeploymentResponseGenerator, prompts: list[list[int]], request_ids: list[str]):
+        self.stream = stream
+        self.running = {rid: _Accumulated(p) for rid, p in zip(request_ids, prompts, strict=True)}
+        self.is_cancelled = False
+
+    def cancel(self) -> None:
+        if not self.is_cancelled and self.running:
+            self.is_cancelled = True
+            self.stream.cancel()
+
+
+class RayEngineClient(EngineClient):
+    """`EngineClient` whose engine is the replicas behind `handle` (a handle to the `EngineReplica`
+    deployment). `start()` must run (on the event loop) before the routes use it."""
+
+    def __init__(self, handle: DeploymentHandle, model_id: str):
+        self.llm = None
+        self.handle = handle
+        self.model_id = model_id
+        self._init_counters()
+        self._calls: dict[str, _Call] = {}  # request id -> its call, while it runs
+        self._readers: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        """Read the model's tokenizer and limits from a replica (they are the same on every one)."""
+        info = await self.handle.info.remote()
+        self.tokenizer = info["tokenizer"]
+        self.model_config = info["model_config"]
+        self.max_lora_rank = info["max_lora_rank"]
+        self.max_num_seqs = info["max_num_seqs"]
+        self.max_model_len = self.model_config.max_model_len
+        self.kv_capacity_tokens = info["kv_capacity_tokens"]
+
+    # requests -----------------------------------------------------------------------------------
+    async def submit_to(self, prompts: list[list[int]], params: list[SamplingParams], request_ids: list[str],
+                        sink, *, adapter: str | None = None, adapter_path: str | None = None,
+                        adapter_digest: str | None = None, tenant_id: int | None = None,
+                        tenant_weight: float = 1.0) -> str:
+        """Queue one call on a replica, all or none; returns the replica's name. Raises as the module says."""
+        payload = {"prompts": prompts, "params": params, "request_ids": request_ids, "adapter_path": adapter_path,
+                   "adapter_digest": adapter_digest, "tenant_id": tenant_id, "tenant_weight": tenant_weight}
+        handle = self.handle.options(stream=True, multiplexed_model_id=adapter or "")
+        for attempt in range(1, SUBMIT_ATTEMPTS + 1):
+            stream = handle.generate.remote(payload)
+            try:
+                first = await stream.__anext__()
+                break
+            except asyncio.CancelledError:
+                stream.cancel()
+                raise
+            except BackPressureError as e:
+                raise EngineOverloadedError(f"every engine replica's queue is full: {e}") from None
+            except _LOST as e:
+                logger.warning("engine replica lost before it took call %s (attempt %d): %s", request_ids[0],
+                               attempt, e)
+        else:
+            raise replica_lost()
+        status = first[0]
+        if status == "overloaded":
+            raise EngineOverloadedError(first[1], retry_after_s=first[2])
+        if status == "invalid":
+            raise ParamError(first[2], first[1]) if first[2] else ValueError(first[1])
+        call = _Call(stream, prompts, request_ids)
+        for rid in request_ids:
+            self._calls[rid] = call
+        reader = asyncio.create_task(self._read(call, sink, adapter))
+        self._readers.add(reader)
+        reader.add_done_callback(self._readers.discard)
+        return first[1]
+
+    async def _read(self, call: _Call, sink, adapter: str | None) -> None:
+        error = None
+        try:
+            async for wire in call.stream:
+                outs = [call.running[w.request_id].output(w, adapter) for w in wire]
+                for out in outs:
+                    if out.finished:
+                        del call.running[out.request_id]
+                sink(outs)
+        except Exception as e:  # the replica died, or the stream was cancelled from this side
+            if not call.is_cancelled:
+                logger.warning("engine replica lost while running %d request(s): %s", len(call.running), e)
+                error = f"{REPLICA_LOST}: {type(e).__name__}"
+        finally:
+            ended = [acc.ended(rid, adapter, error) for rid, acc in call.running.items()]
+            call.running.clear()
+            for rid in list(self._calls):
+                if self._calls[rid] is call:
+                    del self._calls[rid]
+            if ended:
+                sink(ended)
+
+    def abort_nowait(self, *request_ids: str) -> None:
+        """Cancel the calls of `request_ids` (a call's requests end together: the gateway aborts whole calls)."""
+        for call in {id(c): c for rid in request_ids if (c := self._calls.get(rid)) is not None}.values():
+            call.cancel()
+
+    async def abort_all(self) -> int:
+        calls = {id(c): c for c in self._calls.values()}.values()
+        num = sum(len(c.running) for c in calls)
+        for call in calls:
+            call.cancel()
+        return num
+
+    # the engine's state -------------------------------------------------------------------------
+    def is_queue_full(self) -> bool:
+        """Always False: the replicas shed at submit (503 `server_overloaded`), Serve's queue before them."""
+        return False
+
+    async def stats(self) -> dict:
+        return await self.handle.stats.remote()
+
+    async def compile_schema(self, schema: dict) -> None:
+        refused = await self.handle.compile_schema.remote(schema)
+        if refused is not None:
+            raise ParamError(refused[1], refused[0])
+
+    async def remove_adapter(self, name: str, poll_s: float = 0.05) -> None:
+        while self.num_running_by_adapter.get(name):
+            await asyncio.sleep(poll_s)
+
+    def shutdown(self) -> None:
+        for call in {id(c): c for c in self._calls.values()}.values():
+            call.cancel()

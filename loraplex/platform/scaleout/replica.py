@@ -1,0 +1,143 @@
+"""`EngineReplica`: one engine (`AsyncLLM`) as a Ray Serve replica, and the wire format of its stream.
+
+A call arrives as one streaming request (`generate`) whose Serve multiplexed model id is the call's
+engine adapter name ("" for the base model). The replica marks the adapter used through
+`serve.multiplexed`, which is how Ray Serve learns which replica holds which adapter (each replica
+reports its ids to the routers; `router.AdapterAffinityRouter` reads them). The adapter itself is
+loaded by the engine from the shared adapter store path in the call, on its load thread, exactly as in
+one process (`AsyncLLM.submit_to`).
+
+The stream: first one status item, then the call's outputs step by step, as plain tuples (`WireOutput`)
+that carry deltas only, so a step costs O(1) per request on the wire as in the engine:
+
+    ("accepted", replica_name) | ("overloaded", message, retry_after_s) | ("invalid", message, param)
+    [WireOutput, ...]  one list per engine step, until every request of the call has finished
+
+A cancelled stream (the ingress's client went away, or it aborted the call) aborts the call's engine
+requests, whose KV blocks are freed at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import NamedTuple
+
+import ray
+from ray import serve
+
+from loraplex.engine.errors import EngineOverloadedError
+from loraplex.engine.request import RequestOutput
+from loraplex.engine.sampling_params import ParamError, SamplingParams
+from loraplex.platform.config import Settings
+from loraplex.platform.engine_client import engine_stats
+
+logger = logging.getLogger(__name__)
+
+
+class WireOutput(NamedTuple):
+    """One `RequestOutput` as it crosses from replica to ingress: its deltas and counters; token_ids and
+    text only on the last output of a request (finish_reason set), None before."""
+
+    request_id: str
+    delta_token_ids: list[int]
+    delta_text: str
+    delta_logprobs: list | None
+    finish_reason: str | None
+    ttft_s: float | None
+    latency_s: float | None
+    error: str | None
+    adapter_failed: bool
+    num_cached_tokens: int
+    token_ids: list[int] | None
+    text: str | None
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> WireOutput:
+        last = out.finished
+        return cls(out.request_id, out.delta_token_ids, out.delta_text, out.delta_logprobs, out.finish_reason,
+                   out.ttft_s, out.latency_s, out.error, out.adapter_failed, out.num_cached_tokens,
+                   out.token_ids if last else None, out.text if last else None)
+
+
+def engine_replica(max_resident_adapters: int):
+    """The engine deployment's class. `max_resident_adapters`: how many adapters each replica reports as
+    resident to the routers (`serve.multiplexed`'s LRU of the ids it served last); the engine keeps its
+    own slots and host cache apart from it."""
+
+    class EngineReplica:
+        """One replica: an `AsyncLLM` on `settings` (the driver's `Settings` as a dict). With no
+        `num_threads` set, the engine takes as many threads as the CPUs Ray gave the replica actor."""
+
+        def __init__(self, settings: dict):
+            s = Settings(**settings)
+            kwargs = s.engine_kwargs()
+            if s.num_threads is None:
+                cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
+                if cpus:
+                    kwargs["num_threads"] = max(1, int(cpus))
+            from loraplex.engine.async_llm import AsyncLLM
+
+            self.llm = AsyncLLM(s.model, **kwargs)
+            self.name = serve.get_replica_context().replica_id.unique_id
+
+        def info(self) -> dict:
+            """What an ingress needs of the model to check calls before it routes them (`RayEngineClient`)."""
+            core = self.llm.engine
+            return {"tokenizer": core.tokenizer, "model_config": core.model_config,
+                    "max_lora_rank": core.config.max_lora_rank, "max_num_seqs": core.config.max_num_seqs,
+                    "kv_capacity_tokens": core.block_manager.num_blocks * core.block_manager.block_size}
+
+        async def stats(self) -> dict:
+            """`engine_stats` of this replica, with its name under "replica"."""
+            return {**await self.llm.call(engine_stats, self.llm.engine), "replica": self.name}
+
+        async def compile_schema(self, schema: dict) -> tuple[str, str] | None:
+            """Compile a `response_format` schema (cached here); (message, param) if it is refused."""
+            try:
+                await self.llm.compile_schemas([SamplingParams(json_schema=schema)], "response_format")
+            except ParamError as e:
+                return str(e), e.param
+            return None
+
+        @serve.multiplexed(max_num_models_per_replica=max_resident_adapters)
+        async def _resident(self, adapter: str) -> str:
+            return adapter  # the engine loads it; this only tells Serve the replica now holds it
+
+        async def generate(self, call: dict):
+            """Run one call (`AsyncLLM.submit_to`'s arguments as a dict) and stream it as the module says."""
+            adapter = serve.get_multiplexed_model_id() or None
+            if adapter is not None:
+                await self._resident(adapter)
+            pending: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
+            request_ids = call["request_ids"]
+            try:
+                await self.llm.submit_to(call["prompts"], call["params"], request_ids, pending.put_nowait,
+                                         adapter=adapter, adapter_path=call["adapter_path"],
+                                         adapter_digest=call["adapter_digest"], tenant_id=call["tenant_id"],
+                                         tenant_weight=call["tenant_weight"])
+            except EngineOverloadedError as e:
+                yield ("overloaded", str(e), e.retry_after_s)
+                return
+            except ValueError as e:
+                yield ("invalid", str(e), getattr(e, "param", None))
+                return
+            yield ("accepted", self.name)
+            running = set(request_ids)
+            try:
+                while running:
+                    outs = list(await pending.get())
+                    while not pending.empty():  # steps that arrived while the last item was sent
+                        outs.extend(pending.get_nowait())
+                    running.difference_update(o.request_id for o in outs if o.finished)
+                    yield [WireOutput.of(o) for o in outs]
+            finally:
+                if running:  # cancelled by the ingress
+                    self.llm.abort_nowait(*running)
+
+        def __del__(self):
+            llm = getattr(self, "llm", None)
+            if llm is not None:
+                llm.shutdown()
+
+    return EngineReplica
