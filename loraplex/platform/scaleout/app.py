@@ -113,10 +113,10 @@ def stop() -> None:
 def serve_on_ray(settings: Settings, num_replicas: int, num_ingresses: int = 1, router: str = "affinity",
                  ray_address: str | None = None, replica_cpus: float = 1.0) -> int:
     """Run until SIGINT or SIGTERM, then delete the application (a local Ray instance stops with us)."""
+    start(settings, num_replicas, num_ingresses, router, ray_address, replica_cpus)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
-    start(settings, num_replicas, num_ingresses, router, ray_address, replica_cpus)
     print(f"loraplex: serving {settings.model_id} on http://{settings.host}:{settings.port} with {num_replicas} "
           f"engine replica(s) and {num_ingresses} ingress(es) on Ray Serve ({router} routing)", flush=True)
     done.wait()

@@ -11,7 +11,9 @@ calls this router sent and has not seen finish) and `q_min` the shortest over li
   (`LORAPLEX_AFFINITY_SLACK`, 8 calls by default: about one engine step's worth of new decodes on the
   small settings; spilling earlier costs a cold load, later costs queueing);
 - otherwise (no resident replica, or all of them that much busier) the replica with the shortest queue,
-  ties broken by the fewest resident adapters, then at random: cold adapters spread over the replicas;
+  ties broken by the fewest resident adapters (cold adapters spread over the replicas), then by
+  rendezvous hashing of (adapter, replica) (Thaler and Ravishankar, 1998), so that ingresses with the
+  same view send a cold adapter to the same replica;
 - a base-model call (no id): the shortest queue, ties at random.
 
 Each rank returned holds one replica, so Serve's own selection (skip full replicas, probe unknown queue
@@ -24,9 +26,10 @@ queue depth in the same spirit.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
@@ -40,9 +43,13 @@ class AdapterAffinityRouter(RequestRouter):
     def initialize_state(self, **kwargs) -> None:
         self.slack = int(kwargs.get("slack", os.environ.get("LORAPLEX_AFFINITY_SLACK", DEFAULT_SLACK)))
         self.placed: OrderedDict[str, set[ReplicaID]] = OrderedDict()  # adapter -> replicas this router sent it to
+        self.num_placed: Counter[ReplicaID] = Counter()  # distinct adapters of `placed` per replica
 
     def _queue_len(self, r: RunningReplica) -> int:
         return self.replica_queue_len_cache.get(r.replica_id) or 0
+
+    def _num_resident(self, r: RunningReplica) -> int:
+        return max(len(r.multiplexed_model_ids), self.num_placed[r.replica_id])
 
     def _holds(self, r: RunningReplica, adapter: str) -> bool:
         return adapter in r.multiplexed_model_ids or r.replica_id in self.placed.get(adapter, ())
@@ -60,19 +67,33 @@ class AdapterAffinityRouter(RequestRouter):
                     if self._holds(r, adapter) and queue[r.replica_id] <= shortest + self.slack]
             ranked = sorted(near, key=lambda r: (queue[r.replica_id], random.random()))
         rest = [r for r in candidate_replicas if r not in ranked]
-        ranked += sorted(rest, key=lambda r: (queue[r.replica_id], len(r.multiplexed_model_ids), random.random()))
+        if adapter:
+            ranked += sorted(rest, key=lambda r: (queue[r.replica_id], self._num_resident(r),
+                                                  _rendezvous(adapter, r.replica_id.unique_id)))
+        else:
+            ranked += sorted(rest, key=lambda r: (queue[r.replica_id], random.random()))
         return [[r] for r in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
         adapter = pending_request.metadata.multiplexed_model_id
-        if adapter:
-            self.placed.setdefault(adapter, set()).add(replica_id)
-            self.placed.move_to_end(adapter)
-            if len(self.placed) > MAX_REMEMBERED_ADAPTERS:
-                self.placed.popitem(last=False)
+        if not adapter:
+            return
+        replicas = self.placed.setdefault(adapter, set())
+        if replica_id not in replicas:
+            replicas.add(replica_id)
+            self.num_placed[replica_id] += 1
+        self.placed.move_to_end(adapter)
+        if len(self.placed) > MAX_REMEMBERED_ADAPTERS:
+            for r in self.placed.popitem(last=False)[1]:
+                self.num_placed[r] -= 1
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         for replicas in self.placed.values():
             replicas.discard(replica_id)
+        self.num_placed.pop(replica_id, None)
+
+
+def _rendezvous(adapter: str, replica: str) -> bytes:
+    return hashlib.blake2b(f"{adapter}\0{replica}".encode(), digest_size=8).digest()

@@ -1,0 +1,204 @@
+"""Scale-out on a real local Ray instance: 2 gateway ingresses and 2 engine replicas of the default model
+behind Serve's HTTP proxy, Redis quotas, one SQLite file, one adapter store (`platform/scaleout`).
+
+The cluster starts once for the module (about 30 s on 2 cores: Ray, then two engines loading); the
+replica-kill test runs last, since it leaves a replica restarting behind it.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray", reason="the scale-out tests need the ray extra: pip install -e '.[test,ray]'")
+
+from loraplex.platform.scaleout import app as scaleout  # noqa: E402
+from tests.platform import factories  # noqa: E402
+from tests.platform.servers import free_port, wait_until  # noqa: E402
+
+pytestmark = pytest.mark.slow
+SLACK = 2  # affinity slack of this cluster: small, so that a burst spills to the second replica
+
+
+@pytest.fixture(scope="module")
+def cluster(make_settings, redis_server, tmp_path_factory, model_path):
+    from ray import serve
+
+    settings = make_settings(redis_url=redis_server.url, port=free_port(), dtype="float32",
+                             kv_cache_memory=32 << 20, max_num_seqs=8, max_loras=2, max_num_waiting_seqs=64,
+                             max_queue_wait_s=None, affinity_slack=SLACK)
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        scaleout.start(settings, num_replicas=2, num_ingresses=2)
+        base = f"http://127.0.0.1:{settings.port}"
+        admin = factories.client(base, settings.admin_key.get_secret_value())
+        adapters = factories.make_peft_adapters(model_path, tmp_path_factory.mktemp("scaleout"), [101, 102, 103, 104])
+        yield {"settings": settings, "base": base, "admin": admin, "adapters": adapters}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tenant(cluster):
+    t = factories.make_tenant(cluster["admin"], cluster["base"])
+    for name, path in zip("abcd", cluster["adapters"], strict=True):
+        r = t.upload(name, path)
+        assert r.status_code == 201, r.text
+    return t
+
+
+def replica_of(r: httpx.Response) -> str:
+    assert r.status_code == 200, r.text
+    return r.headers["x-loraplex-replica"]
+
+
+def test_openai_client_unchanged_and_tokens_match_one_process(cluster, tenant, server, admin):
+    """chat, completions, streaming and models through Ray Serve answer exactly what one process does."""
+    import openai
+
+    ray_client = openai.OpenAI(base_url=cluster["base"] + "/v1", api_key=tenant.key, max_retries=0)
+    one = factories.make_tenant(admin, server.url)
+    local_client = openai.OpenAI(base_url=server.url + "/v1", api_key=one.key, max_retries=0)
+    assert factories.BASE_MODEL in {m.id for m in ray_client.models.list().data}
+    assert set("abcd") <= {m.id for m in ray_client.models.list().data}
+
+    messages = [{"role": "user", "content": "Name three colours."}]
+    raw = ray_client.chat.completions.with_raw_response.create(model=factories.BASE_MODEL, messages=messages,
+                                                              max_tokens=12, temperature=0)
+    assert raw.headers["x-loraplex-replica"]
+    chat = raw.parse()
+    expected = local_client.chat.completions.create(model=factories.BASE_MODEL, messages=messages, max_tokens=12,
+                                                    temperature=0)
+    assert chat.choices[0].message.content == expected.choices[0].message.content
+    assert chat.usage.completion_tokens == expected.usage.completion_tokens == 12
+
+    chunks = list(ray_client.chat.completions.create(model=factories.BASE_MODEL, messages=messages, max_tokens=12,
+                                                     temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    text = ray_client.completions.create(model=factories.BASE_MODEL, prompt="The capital of France is",
+                                         max_tokens=6, temperature=0, n=2)
+    expected_text = local_client.completions.create(model=factories.BASE_MODEL, prompt="The capital of France is",
+                                                    max_tokens=6, temperature=0, n=2)
+    assert [c.text for c in text.choices] == [c.text for c in expected_text.choices]
+    with pytest.raises(openai.NotFoundError):
+        ray_client.chat.completions.create(model="no-such-model", messages=messages, max_tokens=2)
+
+
+def test_one_adapter_stays_on_one_replica_while_others_spread(tenant):
+    """20 calls for adapter a all land on the replica that first loaded it; b and c, cold, each keep to one
+    replica, and together with a they use both."""
+    model = "a"
+    first = replica_of(tenant.chat(model=model))
+    with ThreadPoolExecutor(2) as pool:  # 2 at a time: within the slack on either ingress's view
+        replicas = list(pool.map(lambda _: replica_of(tenant.chat(model=model, max_tokens=8)), range(20)))
+    assert set(replicas) == {first}
+    used = {first}
+    for name in "bc":
+        served = {replica_of(tenant.chat(model=name)) for _ in range(5)}
+        assert len(served) == 1, (name, served)
+        used |= served
+    assert len(used) == 2
+
+
+def test_a_burst_spills_past_the_slack_and_uploads_serve_on_both_replicas(tenant):
+    """An adapter uploaded once through either ingress is servable on every replica: a burst much larger
+    than the slack overflows its replica onto the other, which loads it from the shared store."""
+    model = "d"
+    first = replica_of(tenant.chat(model=model))
+    with ThreadPoolExecutor(16) as pool:
+        responses = list(pool.map(lambda _: tenant.chat(model=model, max_tokens=48, ignore_eos=True), range(16)))
+    served = [replica_of(r) for r in responses]
+    assert len(set(served)) == 2 and first in served
+    contents = {r.json()["choices"][0]["message"]["content"] for r in responses}
+    assert len(contents) == 1  # the same greedy answer from either replica
+
+
+def test_rpm_is_exact_across_ingresses(cluster):
+    t = factories.make_tenant(cluster["admin"], cluster["base"], rpm=5)
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda _: t.chat(max_tokens=1), range(9)))
+    codes = sorted(r.status_code for r in responses)
+    assert codes == [200] * 5 + [429] * 4
+    refused = next(r for r in responses if r.status_code == 429)
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_a_client_that_disconnects_aborts_its_request_on_the_replica(cluster, tenant):
+    from ray import serve
+
+    model = "b"
+    body = {"model": model, "messages": [{"role": "user", "content": "Count to a thousand."}], "max_tokens": 400,
+            "ignore_eos": True, "stream": True}
+    with tenant.client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        replica = r.headers["x-loraplex-replica"]
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+    # A handle of the test's own: its stats calls land on either replica; read the one that streamed.
+    handle = serve.get_deployment_handle(scaleout.ENGINE_DEPLOYMENT, scaleout.APP_NAME)
+
+    def running_on_replica() -> int | None:
+        for _ in range(8):
+            stats = handle.stats.remote().result()
+            if stats["replica"] == replica:
+                return stats["num_running"] + stats["num_waiting"]
+        return None
+
+    wait_until(lambda: running_on_replica() == 0, timeout=20, what="the replica to abort the stream's request")
+
+
+def test_a_killed_replica_ends_its_calls_with_503_and_is_replaced(cluster, tenant):
+    """Calls in flight on a replica that dies answer 503 replica_unavailable with retry-after; calls after
+    succeed on a live replica; Ray starts a new replica; usage has one record per call, ok for each 200."""
+    from ray import serve
+    from sqlalchemy import create_engine, text
+
+    model = "c"
+    victim = replica_of(tenant.chat(model=model))
+    db = create_engine(cluster["settings"].sqlalchemy_url)
+
+    def records() -> list[tuple[int, str, int]]:
+        with db.connect() as c:
+            return [tuple(row) for row in c.execute(text(
+                "SELECT id, status, num_completion_tokens FROM usage_records WHERE tenant_id = :t"), {"t": tenant.id})]
+
+    wait_until(lambda: len(records()) >= 1, timeout=10, what="usage of the earlier calls")
+    time.sleep(1.5)  # the usage writer's batch of earlier calls is in
+    before = {r[0] for r in records()}
+    with ThreadPoolExecutor(4) as pool:
+        inflight = [pool.submit(tenant.chat, model=model, max_tokens=400, ignore_eos=True) for _ in range(4)]
+        time.sleep(2.0)  # they are decoding on the victim
+        actor = ray.get_actor(f"SERVE_REPLICA::{scaleout.APP_NAME}#{scaleout.ENGINE_DEPLOYMENT}#{victim}",
+                              namespace="serve")
+        ray.kill(actor, no_restart=True)
+        responses = [f.result() for f in inflight]
+    lost = [r for r in responses if r.status_code == 503]
+    assert lost, [r.status_code for r in responses]
+    for r in lost:
+        assert r.json()["error"]["code"] == "replica_unavailable", r.text
+        assert int(r.headers["retry-after"]) >= 1
+    after = [tenant.chat(model=model) for _ in range(3)]
+    assert all(r.status_code == 200 for r in after), [r.text for r in after]
+    assert all(r.headers["x-loraplex-replica"] != victim for r in after)
+
+    def running_replicas() -> int:
+        status = serve.status().applications[scaleout.APP_NAME].deployments[scaleout.ENGINE_DEPLOYMENT]
+        return status.replica_states.get("RUNNING", 0)
+
+    wait_until(lambda: running_replicas() == 2, timeout=120, interval=1, what="Ray to replace the killed replica")
+
+    calls = responses + after
+    wait_until(lambda: len({r[0] for r in records()} - before) == len(calls), timeout=10,
+               what="one usage record per call")
+    new = [r for r in records() if r[0] not in before]
+    ok_tokens = sorted(r.json()["usage"]["completion_tokens"] for r in calls if r.status_code == 200)
+    assert sorted(n for _, status, n in new if status == "ok") == ok_tokens
+    assert sorted(status for _, status, _ in new if status != "ok") == ["error"] * len(lost)
+    db.dispose()
