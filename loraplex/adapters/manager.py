@@ -286,16 +286,20 @@ class AdapterManager:
                  "cpu": host.stats.summary(host.capacity, len(host))}
         tiers["slots"].update(adapters=len(pages.slot_of), page_rows=pages.page)
         tiers["disk"] = {"capacity": None, "used": len(self.registry)}
-
-        def tier_of(name: str) -> str:
-            if name in pages:
-                return "slots"
-            if name in host:
-                return "cpu"
-            return "loading" if name in host.loading else "failed" if name in host.failed else "disk"
-
         return {"tiers": tiers, "pinned": dict(pages.refcount), "draining": sorted(pages.draining),
-                "adapters": {n: tier_of(n) for n in self.registry}}
+                "adapters": {n: self.tier(n) for n in self.registry}}
+
+    def tier(self, name: str) -> str:
+        """Where adapter `name` is now: "slots" (in an adapter slot, ready for a step), "cpu" (in host
+        memory: a slot load is a copy), "loading" (being read by the background thread), "failed" (its
+        last read failed) or "disk" (only in the store, or not registered: a cold load). Call on the
+        engine thread."""
+        if name in self.pages:
+            return "slots"
+        if name in self.host:
+            return "cpu"
+        host = self.host
+        return "loading" if name in host.loading else "failed" if name in host.failed else "disk"
 
     def close(self) -> None:
         """Stop the load thread (benchmarks that build many engines in one process)."""

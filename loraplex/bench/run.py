@@ -11,6 +11,7 @@
     loraplex bench --preset fairness              # a noisy tenant beside a quiet one: fcfs vs fair scheduling
     loraplex bench --preset prefix-cache          # shared system prompts and multi-turn chats, cache on vs off
     loraplex bench --preset structured            # 0/50/100% JSON Schema constrained rows, compile time per schema
+    loraplex bench --preset scale-out             # Zipf adapters on 1 and 2 Ray Serve replicas, affinity vs pow2
 
 A preset is one main workload (setting S1, n adapters, Zipf alpha, rate R) that every system runs
 with the same prompts, then three sweeps of our engine: R (with static batching and base-only beside
@@ -316,7 +317,7 @@ def _fmt(x: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="loraplex bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=sorted([*PRESETS, "fairness", "prefix-cache", "structured"]), default="small")
+    ap.add_argument("--preset", choices=sorted([*PRESETS, "fairness", "prefix-cache", "structured", "scale-out"]), default="small")
     ap.add_argument("--out", type=Path, help="report path (default docs/benchmarks/<preset>.md)")
     ap.add_argument("--trace", type=Path, help="JSONL trace to replay as the main workload")
     ap.add_argument("--systems", help="comma-separated subset of engine,static,peft,base,http for the main workload")
@@ -357,6 +358,16 @@ def main(argv: list[str] | None = None) -> int:
         out = args.out or Path("docs/benchmarks/structured.md")
         runs, compiles, dtype = structured.run_all(spec, args.threads)
         structured.write_report(out, runs, compiles, spec, command=command, threads=args.threads, dtype=dtype)
+        print(f"report written to {out}")
+        return 0
+    if args.preset == "scale-out":  # its own Ray instances: one per configuration (bench/scaleout.py)
+        from loraplex.bench import scaleout
+
+        spec = dataclasses.replace(scaleout.ScaleOutSpec(), seed=args.seed, num_cpus=args.threads)
+        out = args.out or Path("docs/benchmarks/scale-out.md")
+        with tempfile.TemporaryDirectory(prefix="loraplex-bench-") as tmp:
+            runs = scaleout.run_all(spec, Path(tmp))
+        scaleout.write_report(out, runs, spec, command=command)
         print(f"report written to {out}")
         return 0
     preset = PRESETS[args.preset]()

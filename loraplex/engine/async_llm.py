@@ -77,20 +77,22 @@ class AsyncLLM:
 
     async def submit_to(self, prompts: list[list[int]], params: list[SamplingParams], request_ids: list[str],
                         sink: Sink, *, adapter: str | None = None, adapter_path: str | None = None,
-                        adapter_digest: str | None = None, tenant_id: int | None = None, tenant_weight: float = 1.0) -> None:
+                        adapter_digest: str | None = None, tenant_id: int | None = None,
+                        tenant_weight: float = 1.0) -> str | None:
         """`submit` with `sink(outputs)` called on this event loop once per step with the call's outputs of
         that step, in row order (the server's path: no queue between the engine and the response).
 
         adapter_path: where `adapter`'s files are, to register it (already validated: the adapter store's,
         whose content digest is adapter_digest; None: computed from the files) if the engine does not know
         it, in the same command that queues the requests, so a request waits for one step boundary of the
-        engine thread, not two. The sink must not raise or block.
+        engine thread, not two. The sink must not raise or block. Returns where the adapter was when the
+        call arrived (`AdapterManager.tier`: "slots", "cpu", "loading", "failed", "disk"), None without one.
         """
         loop = asyncio.get_running_loop()
         grammars = await self.compile_schemas(params)
         try:
-            await self._call(self._add, prompts, params, adapter, (adapter_path, adapter_digest), request_ids,
-                             tenant_id, tenant_weight, (loop, sink), grammars)
+            return await self._call(self._add, prompts, params, adapter, (adapter_path, adapter_digest),
+                                    request_ids, tenant_id, tenant_weight, (loop, sink), grammars)
         except asyncio.CancelledError:
             # The add may run after we stop waiting; the queue is FIFO, so this abort comes after it.
             self.abort_nowait(*request_ids)
@@ -147,14 +149,17 @@ class AsyncLLM:
         self._commands.put((fn, args, fut))
         return await asyncio.wrap_future(fut)
 
-    def _add(self, prompts, params, adapter, source, request_ids, tenant_id, tenant_weight, stream, grammars) -> None:
+    def _add(self, prompts, params, adapter, source, request_ids, tenant_id, tenant_weight, stream,
+             grammars) -> str | None:
         adapter_path, adapter_digest = source
+        tier = None if adapter is None else self.engine.adapters.tier(adapter)
         if adapter_path is not None and adapter not in self.engine.adapters:
             self.engine.adapters.register(adapter, adapter_path, validated=True, digest=adapter_digest)
         self.engine.add_requests(prompts, params, adapter, request_ids, tenant_id, tenant_weight, shed=True,
                                  grammars=grammars)
         for rid in request_ids:
             self._streams[rid] = stream
+        return tier
 
     async def abort_all(self) -> int:
         """Abort every request of the engine, waiting ones too, in one command (shutdown); returns how

@@ -150,6 +150,8 @@ class Completions:
         headers = {**ticket.headers, "x-request-id": c.request_id}
         if gen.replica is not None:  # scale-out: which engine replica served it (docs/scale-out.md)
             headers["x-loraplex-replica"] = gen.replica
+        if gen.adapter_tier is not None:  # where its adapter was: "slots" is a hit, "disk" a cold load
+            headers["x-loraplex-adapter-tier"] = gen.adapter_tier
         if c.body.stream:
             headers["cache-control"] = "no-cache"
             return StreamingResponse(stream(c, gen, finalized), media_type="text/event-stream", headers=headers)

@@ -49,6 +49,7 @@ class Settings(BaseSettings):
     dtype: str = "auto"
     max_loras: int = 8
     max_lora_rank: int = 64
+    max_cpu_loras: int | None = Field(None, ge=1)  # adapters kept in host memory, LRU (None: no limit)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     kv_cache_memory: int | None = None
@@ -120,7 +121,7 @@ class Settings(BaseSettings):
 
     def engine_kwargs(self) -> dict:
         kwargs = dict(dtype=self.dtype, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
-                      max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                      max_cpu_loras=self.max_cpu_loras, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                       max_num_waiting_seqs=self.max_num_waiting_seqs,
                       max_num_waiting_tokens=self.max_num_waiting_tokens, max_queue_wait_s=self.max_queue_wait_s,
                       scheduling_policy=self.scheduling_policy, priority_aging_s=self.priority_aging_s,

@@ -15,6 +15,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 from loraplex.adapters.manager import AdapterInUseError
 from loraplex.engine.async_llm import AsyncLLM
@@ -121,15 +122,23 @@ class EngineClient:
 
     # requests -----------------------------------------------------------------------------------
     async def submit_to(self, prompts: list[list[int]], params: list[SamplingParams], request_ids: list[str],
-                        sink, **kwargs) -> str | None:
+                        sink, **kwargs) -> Placement:
         """Queue one call's requests, all or none (`AsyncLLM.submit_to`: same arguments and errors);
-        returns the name of the replica that runs them (None: this process's engine)."""
-        await self.llm.submit_to(prompts, params, request_ids, sink, **kwargs)
-        return None
+        returns where they run."""
+        return Placement(None, await self.llm.submit_to(prompts, params, request_ids, sink, **kwargs))
 
     def abort_nowait(self, *request_ids: str) -> None:
         """Abort requests of calls queued by `submit_to` without waiting (safe in a `finally`)."""
         self.llm.abort_nowait(*request_ids)
+
+
+class Placement(NamedTuple):
+    """Where a call runs: `replica`, the engine replica's name (None: this process's engine), and
+    `adapter_tier`, where its adapter was when the call arrived there (`AdapterManager.tier`: "slots",
+    "cpu", "loading", "failed" or "disk"; None for the base model)."""
+
+    replica: str | None
+    adapter_tier: str | None
 
 
 def engine_stats(core) -> dict:
@@ -202,6 +211,7 @@ class Generation:
         self.choices = [Choice() for _ in request_ids]
         self.is_cancelled = False  # by the gateway: the client went away
         self.replica: str | None = None  # the engine replica that runs the call (None: in this process)
+        self.adapter_tier: str | None = None  # where its adapter was when it arrived (`Placement`)
         self._index = {rid: i for i, rid in enumerate(request_ids)}
         self._num_open = len(request_ids)
         self._pending: list[tuple[int, RequestOutput]] = []
@@ -219,7 +229,7 @@ class Generation:
         stream=False: the deltas are not kept (each carries the output so far, so keeping all of them
         would hold memory quadratic in the output's length); only `choices` and `wait()` are used."""
         gen = cls(service, [f"{request_id}-{i}" for i in range(len(params))], stream)
-        gen.replica = await service.submit_to(prompts, params, gen.request_ids, gen._feed, adapter=adapter,
+        gen.replica, gen.adapter_tier = await service.submit_to(prompts, params, gen.request_ids, gen._feed, adapter=adapter,
                                               adapter_path=adapter_path, adapter_digest=adapter_digest,
                                               tenant_id=tenant_id, tenant_weight=tenant_weight)
         return gen

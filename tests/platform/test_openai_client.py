@@ -50,6 +50,20 @@ def test_chat_completions_models_and_streaming(make_tenant, make_client, peft_ad
     assert chat_cc.usage.completion_tokens <= 2
 
 
+def test_a_response_says_where_its_adapter_was(make_tenant, make_client, peft_adapters):
+    """x-loraplex-adapter-tier: "disk" for the first call after an upload (a cold load from the store),
+    "slots" for the next one (still in its adapter slot); a base-model call has no such header."""
+    t = make_tenant()
+    assert t.upload("tiered", peft_adapters[1]).status_code == 201
+    client = make_client(t.key)
+    messages = [{"role": "user", "content": "Say hi"}]
+    tiers = [client.chat.completions.with_raw_response.create(model="tiered", messages=messages, max_tokens=2)
+             .headers.get("x-loraplex-adapter-tier") for _ in range(2)]
+    assert tiers == ["disk", "slots"]
+    base = client.chat.completions.with_raw_response.create(model=BASE_MODEL, messages=messages, max_tokens=2)
+    assert "x-loraplex-adapter-tier" not in base.headers and "x-loraplex-replica" not in base.headers
+
+
 def test_errors_map_to_the_clients_exceptions(make_tenant, make_client, peft_adapters):
     owner, other = make_tenant(), make_tenant(rpm=1)
     assert owner.upload("secret", peft_adapters[0]).status_code == 201

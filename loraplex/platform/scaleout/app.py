@@ -75,11 +75,13 @@ def build_app(settings: Settings, num_replicas: int, num_ingresses: int = 1, rou
     engine_options = dict(name=ENGINE_DEPLOYMENT, num_replicas=num_replicas,
                           max_ongoing_requests=MAX_ONGOING_PER_REPLICA, max_queued_requests=MAX_QUEUED_PER_HANDLE,
                           ray_actor_options={"num_cpus": replica_cpus})
+    # what a replica reports as held: its host cache (adapter slots are a subset), or without a limit on
+    # that, its slots and the host cache's most recent ones
+    resident = settings.max_cpu_loras or 8 * settings.max_loras
     if router == "affinity":
         engine_options["request_router_config"] = RequestRouterConfig(
             request_router_class="loraplex.platform.scaleout.router:AdapterAffinityRouter",
-            request_router_kwargs={"slack": settings.affinity_slack})
-    resident = 8 * settings.max_loras  # what a replica reports as held: its slots and the host cache's recent ones
+            request_router_kwargs={"slack": settings.affinity_slack, "capacity": resident})
     engine = serve.deployment(engine_replica(resident), **engine_options).bind(values)
     ingress = serve.deployment(serve.ingress()(Ingress), name=INGRESS_DEPLOYMENT, num_replicas=num_ingresses,
                                max_ongoing_requests=MAX_ONGOING_PER_REPLICA, ray_actor_options={"num_cpus": 0})

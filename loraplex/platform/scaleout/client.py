@@ -34,7 +34,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from loraplex.engine.errors import EngineOverloadedError
 from loraplex.engine.request import RequestOutput
 from loraplex.engine.sampling_params import ParamError, SamplingParams
-from loraplex.platform.engine_client import EngineClient
+from loraplex.platform.engine_client import EngineClient, Placement
 from loraplex.platform.errors import REPLICA_LOST, replica_lost
 from loraplex.platform.scaleout.replica import WireOutput
 
@@ -115,8 +115,9 @@ class RayEngineClient(EngineClient):
     async def submit_to(self, prompts: list[list[int]], params: list[SamplingParams], request_ids: list[str],
                         sink, *, adapter: str | None = None, adapter_path: str | None = None,
                         adapter_digest: str | None = None, tenant_id: int | None = None,
-                        tenant_weight: float = 1.0) -> str:
-        """Queue one call on a replica, all or none; returns the replica's name. Raises as the module says."""
+                        tenant_weight: float = 1.0) -> Placement:
+        """Queue one call on a replica, all or none; returns the replica's name and where the adapter was
+        there. Raises as the module says."""
         payload = {"prompts": prompts, "params": params, "request_ids": request_ids, "adapter_path": adapter_path,
                    "adapter_digest": adapter_digest, "tenant_id": tenant_id, "tenant_weight": tenant_weight}
         handle = self.handle.options(stream=True, multiplexed_model_id=adapter or "")
@@ -146,7 +147,7 @@ class RayEngineClient(EngineClient):
         reader = asyncio.create_task(self._read(call, sink, adapter))
         self._readers.add(reader)
         reader.add_done_callback(self._readers.discard)
-        return first[1]
+        return Placement(first[1], first[2])
 
     async def _read(self, call: _Call, sink, adapter: str | None) -> None:
         error = None

@@ -10,7 +10,8 @@ one process (`AsyncLLM.submit_to`).
 The stream: first one status item, then the call's outputs step by step, as plain tuples (`WireOutput`)
 that carry deltas only, so a step costs O(1) per request on the wire as in the engine:
 
-    ("accepted", replica_name) | ("overloaded", message, retry_after_s) | ("invalid", message, param)
+    ("accepted", replica_name, adapter_tier)  queued; adapter_tier: `AdapterManager.tier` on arrival
+    | ("overloaded", message, retry_after_s) | ("invalid", message, param)  refused, nothing queued
     [WireOutput, ...]  one list per engine step, until every request of the call has finished
 
 A cancelled stream (the ingress's client went away, or it aborted the call) aborts the call's engine
@@ -112,7 +113,7 @@ def engine_replica(max_resident_adapters: int):
             pending: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
             request_ids = call["request_ids"]
             try:
-                await self.llm.submit_to(call["prompts"], call["params"], request_ids, pending.put_nowait,
+                tier = await self.llm.submit_to(call["prompts"], call["params"], request_ids, pending.put_nowait,
                                          adapter=adapter, adapter_path=call["adapter_path"],
                                          adapter_digest=call["adapter_digest"], tenant_id=call["tenant_id"],
                                          tenant_weight=call["tenant_weight"])
@@ -122,7 +123,7 @@ def engine_replica(max_resident_adapters: int):
             except ValueError as e:
                 yield ("invalid", str(e), getattr(e, "param", None))
                 return
-            yield ("accepted", self.name)
+            yield ("accepted", self.name, tier)
             running = set(request_ids)
             try:
                 while running:

@@ -6,7 +6,9 @@ of requests this router knows to be ongoing on replica `r` (Serve's queue-length
 calls this router sent and has not seen finish) and `q_min` the shortest over live replicas:
 
 - resident replicas of `a`: those whose reported multiplexed ids (`serve.multiplexed` in the replica)
-  contain `a`, and those this router itself sent `a` to (known at once, before the replica's report);
+  contain `a`, and those this router itself sent `a` to among the last `capacity` distinct adapters it
+  sent there (known at once, before the replica's report; `capacity` is what a replica holds, so this
+  memory forgets an adapter about when the replica's LRU host cache does);
 - go to the resident replica with the shortest queue if `q(r) <= q_min + slack`
   (`LORAPLEX_AFFINITY_SLACK`, 8 calls by default: about one engine step's worth of new decodes on the
   small settings; spilling earlier costs a cold load, later costs queueing);
@@ -29,30 +31,34 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-from collections import Counter, OrderedDict
+from collections import OrderedDict, defaultdict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 DEFAULT_SLACK = 8
-MAX_REMEMBERED_ADAPTERS = 100_000  # placements this router remembers (LRU), beyond the replicas' reports
+DEFAULT_CAPACITY = 64  # adapters a replica holds, when the deployment does not say
 
 
 class AdapterAffinityRouter(RequestRouter):
-    """Adapter-affinity routing over Ray Serve's router API (the rule is the module's)."""
+    """Adapter-affinity routing over Ray Serve's router API (the rule is the module's).
+
+    Router kwargs (`RequestRouterConfig.request_router_kwargs`): `slack` (calls; default
+    $LORAPLEX_AFFINITY_SLACK, else 8) and `capacity` (adapters one replica holds; default 64)."""
 
     def initialize_state(self, **kwargs) -> None:
         self.slack = int(kwargs.get("slack", os.environ.get("LORAPLEX_AFFINITY_SLACK", DEFAULT_SLACK)))
-        self.placed: OrderedDict[str, set[ReplicaID]] = OrderedDict()  # adapter -> replicas this router sent it to
-        self.num_placed: Counter[ReplicaID] = Counter()  # distinct adapters of `placed` per replica
+        self.capacity = max(1, int(kwargs.get("capacity", DEFAULT_CAPACITY)))
+        # replica -> the adapters this router sent it, least recently sent first, at most `capacity`
+        self.placed: defaultdict[ReplicaID, OrderedDict[str, None]] = defaultdict(OrderedDict)
 
     def _queue_len(self, r: RunningReplica) -> int:
         return self.replica_queue_len_cache.get(r.replica_id) or 0
 
     def _num_resident(self, r: RunningReplica) -> int:
-        return max(len(r.multiplexed_model_ids), self.num_placed[r.replica_id])
+        return max(len(r.multiplexed_model_ids), len(self.placed.get(r.replica_id, ())))
 
     def _holds(self, r: RunningReplica, adapter: str) -> bool:
-        return adapter in r.multiplexed_model_ids or r.replica_id in self.placed.get(adapter, ())
+        return adapter in r.multiplexed_model_ids or adapter in self.placed.get(r.replica_id, ())
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -79,20 +85,15 @@ class AdapterAffinityRouter(RequestRouter):
         adapter = pending_request.metadata.multiplexed_model_id
         if not adapter:
             return
-        replicas = self.placed.setdefault(adapter, set())
-        if replica_id not in replicas:
-            replicas.add(replica_id)
-            self.num_placed[replica_id] += 1
-        self.placed.move_to_end(adapter)
-        if len(self.placed) > MAX_REMEMBERED_ADAPTERS:
-            for r in self.placed.popitem(last=False)[1]:
-                self.num_placed[r] -= 1
+        sent = self.placed[replica_id]
+        sent[adapter] = None
+        sent.move_to_end(adapter)
+        if len(sent) > self.capacity:
+            sent.popitem(last=False)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        for replicas in self.placed.values():
-            replicas.discard(replica_id)
-        self.num_placed.pop(replica_id, None)
+        self.placed.pop(replica_id, None)
 
 
 def _rendezvous(adapter: str, replica: str) -> bytes:

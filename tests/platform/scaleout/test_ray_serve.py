@@ -94,10 +94,13 @@ def test_one_adapter_stays_on_one_replica_while_others_spread(tenant):
     """20 calls for adapter a all land on the replica that first loaded it; b and c, cold, each keep to one
     replica, and together with a they use both."""
     model = "a"
-    first = replica_of(tenant.chat(model=model))
+    r = tenant.chat(model=model)
+    first = replica_of(r)
+    assert r.headers["x-loraplex-adapter-tier"] == "disk"  # its first call anywhere: a cold load
     with ThreadPoolExecutor(2) as pool:  # 2 at a time: within the slack on either ingress's view
         replicas = list(pool.map(lambda _: replica_of(tenant.chat(model=model, max_tokens=8)), range(20)))
     assert set(replicas) == {first}
+    assert tenant.chat(model=model).headers["x-loraplex-adapter-tier"] == "slots"  # resident where it went
     used = {first}
     for name in "bc":
         served = {replica_of(tenant.chat(model=name)) for _ in range(5)}

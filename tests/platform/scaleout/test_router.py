@@ -23,11 +23,16 @@ class Cache:
         return self.lens.get(replica_id.unique_id)
 
 
-def make_router(queue: dict[str, int], slack: int = 2) -> AdapterAffinityRouter:
+def make_router(queue: dict[str, int], slack: int = 2, capacity: int = 64) -> AdapterAffinityRouter:
     router = object.__new__(AdapterAffinityRouter)  # the router's state only: no Serve controller here
     router._replica_queue_len_cache = Cache(queue)
-    router.initialize_state(slack=slack)
+    router.initialize_state(slack=slack, capacity=capacity)
     return router
+
+
+def routed(router, r, adapter: str) -> None:
+    router.on_request_routed(SimpleNamespace(metadata=SimpleNamespace(multiplexed_model_id=adapter)),
+                             r.replica_id, None)
 
 
 def replica(name: str, *adapters: str):
@@ -75,3 +80,14 @@ def test_a_placement_is_remembered_before_the_replica_reports_it():
 def test_base_model_calls_go_to_the_least_loaded():
     replicas = [replica("r1", "a"), replica("r2")]
     assert order(make_router({"r1": 5, "r2": 1}), replicas) == ["r2", "r1"]
+
+
+def test_the_placement_memory_forgets_as_the_replicas_cache_would():
+    """With capacity 2, a replica sent a, b, a, c is taken to hold a and c (b was least recent), so b is
+    cold again: it goes by load, not to r1."""
+    router = make_router({"r1": 1, "r2": 0}, capacity=2)
+    replicas = [replica("r1"), replica("r2")]
+    for adapter in "abac":
+        routed(router, replicas[0], adapter)
+    assert order(router, replicas, "a")[0] == "r1" and order(router, replicas, "c")[0] == "r1"
+    assert order(router, replicas, "b")[0] == "r2"
