@@ -116,7 +116,7 @@ def test_vllm_systems_are_skipped_with_a_clear_line_when_the_peer_is_not_install
 def test_cli_help_lists_the_presets():
     out = subprocess.run([sys.executable, "-m", "loraplex.cli", "bench", "--help"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert "{adapter-paging,adapter-paging-all,engine-throughput,fairness,full,gpu-s1,prefix-cache,small,structured,vllm}" in out.stdout
+    assert "{adapter-paging,adapter-paging-all,engine-throughput,fairness,full,gpu-s1,prefix-cache,scale-out,small,structured,vllm}" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "loraplex.cli", "bench", "--preset", "nope"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "invalid choice: 'nope'" in bad.stderr
