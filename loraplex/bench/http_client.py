@@ -124,6 +124,43 @@ def serve_subprocess(engine_env: dict[str, str] | None = None, *, port: int | No
         shutil.rmtree(home, ignore_errors=True)  # unlinks the models/ link, never follows it
 
 
+class RedisServer:
+    """`redis-server` without persistence; `kill()` and `start()` again on the same port."""
+
+    def __init__(self, port: int | None = None):
+        if shutil.which("redis-server") is None:
+            raise RuntimeError("redis-server is not installed: apt-get install redis-server (scripts/install test)")
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> RedisServer:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30.0
+        while not self._is_up():
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"redis-server did not answer on port {self.port} in 30 s")
+            time.sleep(0.05)
+        return self
+
+    def _is_up(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -30,7 +30,6 @@ import asyncio
 import json
 import random
 import shutil
-import subprocess
 import tempfile
 import time
 from collections import Counter
@@ -179,29 +178,6 @@ async def _replay(url: str, key: str, calls: list[Call], spec: ScaleOutSpec) -> 
         return time.perf_counter() - start
 
 
-def start_redis() -> tuple[subprocess.Popen, str]:
-    """A `redis-server` without persistence on a free port of 127.0.0.1; (process, URL)."""
-    from loraplex.bench.http_client import free_port
-
-    if shutil.which("redis-server") is None:
-        raise RuntimeError("the scale-out preset needs redis-server (apt-get install redis-server), since "
-                           "more than one replica shares its quotas through Redis")
-    port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    import redis
-
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            return proc, f"redis://127.0.0.1:{port}"
-        except redis.ConnectionError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"redis-server did not answer on port {port}")
-
-
 def run_one(alpha: float, replicas: int, router: str, spec: ScaleOutSpec, calls: list[Call],
             adapter_dirs: dict[str, Path], redis_url: str, workdir: Path) -> Run:
     """One configuration on a fresh local Ray instance, home (database, adapter store) and Redis database."""
@@ -220,8 +196,7 @@ def run_one(alpha: float, replicas: int, router: str, spec: ScaleOutSpec, calls:
     (home / "models").symlink_to(loraplex_home() / "models", target_is_directory=True)
     settings = Settings(home=home, port=free_port(), admin_key=new_key(), redis_url=redis_url, dtype=spec.dtype,
                         max_loras=spec.max_loras, max_lora_rank=spec.max_lora_rank,
-                        max_cpu_loras=spec.max_cpu_loras, max_num_seqs=spec.max_num_seqs, max_queue_wait_s=None,
-                        database_url=None)
+                        max_cpu_loras=spec.max_cpu_loras, max_num_seqs=spec.max_num_seqs, max_queue_wait_s=None)
     url = f"http://127.0.0.1:{settings.port}"
     started = time.perf_counter()
     ray.init(num_cpus=spec.num_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
@@ -261,7 +236,10 @@ def run_all(spec: ScaleOutSpec, workdir: Path) -> list[Run]:
         dirs[f"a{i}"] = workdir / "adapters" / f"a{i}"
         write_random_adapter(dirs[f"a{i}"], cfg, r=spec.rank, alpha=2 * spec.rank,
                              targets=("q_proj", "k_proj", "v_proj", "o_proj"), seed=i)
-    proc, redis_url = start_redis()
+    from loraplex.bench.http_client import RedisServer
+
+    redis_server = RedisServer().start()  # more than one replica shares its quotas through Redis
+    redis_url = redis_server.url
     try:
         runs = []
         for alpha in spec.alphas:
@@ -273,8 +251,7 @@ def run_all(spec: ScaleOutSpec, workdir: Path) -> list[Run]:
                 print(f"  slot hits {r.hit_rate:.1%}, cold loads {r.count(COLD)}, {r.tokens_per_s:.1f} tok/s, "
                       f"TTFT p99 {_ms(r.ttft(99))} ms", flush=True)
     finally:
-        proc.terminate()
-        proc.wait()
+        redis_server.kill()
     return runs
 
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+
+from loraplex.bench.http_client import RedisServer  # noqa: F401 (the tests' Redis, shared with the benchmarks)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,38 +33,6 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05, what: s
             return value
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
-
-
-class RedisServer:
-    """`redis-server` without persistence; `kill()` and `start()` again on the same port."""
-
-    def __init__(self, port: int | None = None):
-        if shutil.which("redis-server") is None:
-            raise RuntimeError("redis-server is not installed: apt-get install redis-server (scripts/install test)")
-        self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> RedisServer:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_until(self._is_up, what=f"redis-server on port {self.port}")
-        return self
-
-    def _is_up(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
 
 
 class ThreadServer:
