@@ -15,13 +15,14 @@ its block table, so a prefill chunk sees the earlier chunks of its prompt (vLLM'
 attention: query row i of a request with c tokens computed before this step attends positions
 0 .. c + i).
 
-On the CPU the decodes go to the compiled kernel (`kernels/csrc/paged_attention_cpu.cpp`), which reads
-K/V in place through the block table, in fp32: no gather, no padded copy, no mask (its semantics cover
-tiles of prefill rows too, tested, for a future GPU kernel of the same shape). A decode row runs its
-vector loop (`paged_decode_cpu.cpp`: 16 keys per vector, every query head of a kv head per K/V row
-read). Prefill chunks go to `_prefill_matmul`: their products are GEMM-sized, and a GEMM library beats
-a per-row loop there (MKL's through bmm; `_prefill_onednn`, oneDNN's per kv head, is off by default,
-see ONEDNN_PREFILL). Elsewhere,
+On the CPU every row goes to the compiled kernel (`kernels/csrc/paged_attention_cpu.cpp`) in one call,
+which reads K/V in place through the block table, in fp32: no gather, no padded copy, no mask. A decode
+row runs its vector loop (`paged_decode_cpu.cpp`: 16 keys per vector, every query head of a kv head per
+K/V row read); a tile of prefill rows the prefill loop (`paged_prefill_cpu.cpp`: flash attention over
+16-key chunks, K transposed once per chunk for all the tile's queries). Against `_prefill_matmul` (two
+bmm GEMMs and a softmax per tile, which stays for other dtypes and head dims, and under
+PREFILL_KERNEL = False), the 64 prompts of the vllm preset, one layer, fp32, one thread, 2-core AMD
+EPYC (avx2 avx512f avx512_bf16): 64-74 ms -> 22-25 ms. Elsewhere,
 or where the kernel could not be built (`kernels/cpu_ext.py` logs why), the PyTorch path gathers each
 request's context and calls `scaled_dot_product_attention` with a mask; the two agree to fp32
 rounding, which the tests check. The gather reads a request's position 0 for the masked positions past
@@ -48,6 +49,7 @@ ONEDNN_MIN_SCORES = 128 * 128
 # holds a buffer of its M x K (`cpu_gemm.bucket_rows`), so a serving engine's memory would grow without a
 # bound we set; bmm has no such cache. The path stays tested for when keys can be bucketed too.
 ONEDNN_PREFILL = False
+PREFILL_KERNEL = True  # prefill tiles on the kernel's prefill loop where `vector_loops` holds
 ROWS_PER_TILE = 16  # prefill rows a work item takes: 16 x G queries share each block of K/V read
 
 
@@ -142,6 +144,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         return _paged_attention_torch(q, k, v, k_cache, v_cache, attn)
     q = q.contiguous()
     out = torch.empty_like(q)
+    if vector_loops(q.dtype, q.shape[-1]) and PREFILL_KERNEL:  # every row in one call
+        ext.paged_attention(out, q, k_cache, v_cache, attn.block_tables, attn.tiles(group), attn.block_size,
+                            q.shape[-1] ** -0.5)
+        return out
     nd = attn.num_decode_tokens
     if nd:
         ext.paged_attention(out, q, k_cache, v_cache, attn.block_tables, attn.decode_tiles(), attn.block_size,
@@ -150,6 +156,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         rows = slice(p.start, p.start + p.num_tokens)
         out[rows] = _prefill_matmul(q[rows], k[rows], v[rows], k_cache, v_cache, attn, p)
     return out
+
+
+def vector_loops(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the compiled kernel runs its vector loops for this cache dtype and head dim (fp32 or bf16;
+    D a multiple of 16 with D / 16 a power of two, up to 256), as `decode_supported` in the kernel says."""
+    return dtype in (torch.float32, torch.bfloat16) and head_dim % 16 == 0 and head_dim // 16 in (1, 2, 4, 8, 16)
 
 
 def _prefill_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -61,11 +61,15 @@ def reference(q: torch.Tensor, step, full, nkv: int) -> torch.Tensor:
     return out
 
 
-@pytest.fixture(params=["kernel", "torch"])
+@pytest.fixture(params=["kernel", "kernel-decodes", "torch"])
 def path(request, monkeypatch):
-    if request.param == "kernel":
+    """kernel: every row through the compiled kernel (prefill tiles on its vector loop where the dtype and
+    head dim allow); kernel-decodes: decodes there, prefill chunks through `_prefill_matmul`; torch: the
+    PyTorch path."""
+    if request.param.startswith("kernel"):
         if cpu_ext.load() is None:
             pytest.fail("the CPU kernels must build here (CI has a compiler)")
+        monkeypatch.setattr(attention, "PREFILL_KERNEL", request.param == "kernel")
     else:
         monkeypatch.setattr(attention.cpu_ext, "load", lambda: None)
     return request.param
@@ -90,10 +94,9 @@ def test_mixed_step_matches_fp64_attention(path, dtype, tol, heads):
 
 @pytest.mark.parametrize("heads", [(9, 3, 64), (32, 1, 32), (32, 8, 32)], ids=["gqa", "mqa-32", "gqa-32-8"])
 def test_kernel_alone_attends_prefill_tiles_too(heads):
-    """The compiled kernel's own semantics cover prefill chunks (tiles of rows), though the engine sends
-    it decodes only (prefill chunks go to `_prefill_matmul`): every row of the mixed step through it.
-    With 32 heads over 8 kv heads a 16-row tile has more queries than one work item holds, so each kv
-    head is its own work item; in the others one item takes every kv head of a tile."""
+    """Every row of the mixed step through the compiled kernel in one call, as the engine sends it:
+    decodes on the decode loop (one work item takes every kv head of a decode), prefill tiles on the
+    prefill loop (one kv head per item), largest items first."""
     nh, nkv, d = heads
     q, k, v, caches, attn, full = make_step(STEP, nh, nkv, d, torch.float32, torch.Generator().manual_seed(2))
     caches[0][attn.slot_mapping], caches[1][attn.slot_mapping] = k, v
@@ -145,6 +148,7 @@ def test_long_prefill_chunks_match_fp64_attention(backend, monkeypatch):
 
     monkeypatch.setattr(cpu_gemm, "backend", backend)
     monkeypatch.setattr(attention, "ONEDNN_PREFILL", True)
+    monkeypatch.setattr(attention, "PREFILL_KERNEL", False)
     calls = []
     real = attention._prefill_onednn
     monkeypatch.setattr(attention, "_prefill_onednn", lambda *a: calls.append(a[0].shape[0]) or real(*a))
@@ -158,11 +162,12 @@ def test_long_prefill_chunks_match_fp64_attention(backend, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_decodes_with_peaked_scores_match_fp64_attention(dtype, monkeypatch):
-    """Decodes over 20 chunks of 16 keys (the online softmax rescales its sums at every chunk) with
+    """Decodes over 20 chunks of 16 keys (the online softmax rescales its sums at every chunk), and
+    prefill chunks of 40 rows continuing at 100 and 70 fresh rows (tiles on the prefill loop), with
     queries scaled by 30, so most exps underflow and the max moves between chunks. Scores of up to ~250
     carry fp32 rounding of ~1e-5 into the softmax, so the kernel is held to the error of the PyTorch
     path (sdpa) on the same inputs."""
-    step = [(300, 1), (317, 1), (15, 1), (16, 1)]
+    step = [(300, 1), (317, 1), (15, 1), (16, 1), (100, 40), (0, 70)]
     q, k, v, caches, attn, full = make_step(step, 9, 3, 64, dtype, torch.Generator().manual_seed(6), block=16)
     q = (q.float() * 30).to(dtype)
     want = reference(q, step, full, 3)

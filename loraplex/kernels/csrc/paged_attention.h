@@ -59,4 +59,15 @@ void decode_rows(const Args<float>& a, int64_t row, int64_t seq, int64_t ctx, in
 void decode_rows(const Args<c10::BFloat16>& a, int64_t row, int64_t seq, int64_t ctx, int64_t g0, int64_t ng,
                  float* scratch);
 
+// Floats of one thread's scratch for prefill_rows with M = n x G queries.
+int64_t prefill_scratch(int64_t M, int64_t D);
+
+// The tile of rows row0 .. row0 + n - 1 of request `seq` (row row0 + i over keys 0 .. ctx0 + i - 1), kv
+// head g (out[row, h] for its query heads), in fp32 (paged_prefill_cpu.cpp). Takes the head dims
+// decode_supported takes. scratch: prefill_scratch floats, 64-byte aligned.
+void prefill_rows(const Args<float>& a, int64_t row0, int64_t n, int64_t seq, int64_t ctx0, int64_t g,
+                  float* scratch);
+void prefill_rows(const Args<c10::BFloat16>& a, int64_t row0, int64_t n, int64_t seq, int64_t ctx0, int64_t g,
+                  float* scratch);
+
 }  // namespace loraplex_attention

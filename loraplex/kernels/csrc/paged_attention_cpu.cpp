@@ -27,12 +27,14 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -165,42 +167,61 @@ LORAPLEX_CLONES void attend(const Args<T>& a, int64_t row0, int64_t n, int64_t s
   }
 }
 
+// One work item: a tile and its kv heads g0 .. g0 + ng - 1, and what it costs (query heads x keys read).
+struct Item {
+  int64_t tile, g0, ng;
+  double cost;
+};
+
 template <typename T>
 void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& tiles, int64_t bs, double scale) {
-  const int64_t nkv = k_cache.size(1);
+  const int64_t nkv = k_cache.size(1), nh = q.size(1);
   const Args<T> a{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), out.data_ptr<T>(),
             block_tables.data_ptr<int64_t>(), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-            block_tables.stride(0), bs, q.size(2), q.size(1) / nkv, float(scale)};
+            block_tables.stride(0), bs, q.size(2), nh / nkv, float(scale)};
   const int64_t* tl = tiles.data_ptr<int64_t>();
-  // Every kv head of a tile in one work item where its queries fit the scratch (decodes: n = 1) and there
-  // are at least as many tiles as threads, else one kv head per item (prefill tiles, cut to
-  // kMaxQueries / G rows; or a small batch on many threads, which would otherwise leave threads idle).
-  int64_t widest = 1;
-  for (int64_t i = 0; i < tiles.size(0); ++i) widest = std::max(widest, tl[4 * i + 1]);
-  const int64_t ng = widest * q.size(1) <= kMaxQueries && tiles.size(0) >= at::get_num_threads() ? nkv : 1;
-  const int64_t per_tile = nkv / ng;
-  const int64_t items = tiles.size(0) * per_tile;
+  const int64_t ntiles = tiles.size(0), threads = at::get_num_threads();
   constexpr bool vector_dtype = std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value;
-  const bool decodes = vector_dtype && loraplex_attention::decode_supported(a.D);
-  bool all_decodes = decodes;
-  for (int64_t i = 0; i < tiles.size(0) && all_decodes; ++i) all_decodes = tl[4 * i + 1] == 1;
-  const int64_t decode_floats = loraplex_attention::decode_scratch(q.size(1), a.D, a.G);
-  const int64_t floats = all_decodes ? decode_floats : std::max(kScratch, decode_floats);
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  const bool vectors = vector_dtype && loraplex_attention::decode_supported(a.D);
+  // A tile's kv heads go in one work item where its queries fit the scratch and there are at least as many
+  // tiles as threads (a decode's slot holds all heads side by side, read front to back once), else one kv
+  // head per item (prefill tiles on the vector loop; tiles cut to kMaxQueries / G rows; a small batch on
+  // many threads, which would otherwise leave threads idle).
+  std::vector<Item> items;
+  int64_t floats = 0;
+  for (int64_t i = 0; i < ntiles; ++i) {
+    const int64_t n = tl[4 * i + 1], keys = tl[4 * i + 3] + n - 1;
+    const bool prefill_loop = vectors && n > 1;
+    const int64_t ng = !prefill_loop && n * nh <= kMaxQueries && ntiles >= threads ? nkv : 1;
+    for (int64_t g0 = 0; g0 < nkv; g0 += ng) items.push_back({i, g0, ng, double(n * a.G * ng) * double(keys)});
+    if (vectors && n == 1) floats = std::max(floats, loraplex_attention::decode_scratch(nh, a.D, a.G));
+    else if (prefill_loop) floats = std::max(floats, loraplex_attention::prefill_scratch(n * a.G, a.D));
+    else floats = std::max(floats, kScratch);
+  }
+  // Largest first, each thread taking the next item when it is done with one: prefill tiles cost up to
+  // hundreds of decodes, so an even split by count (at::parallel_for's) would leave a thread idle.
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(items.size()));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     // on the heap (too large for an OpenMP thread's stack), uninitialised (every loop writes before it reads)
     std::unique_ptr<float[]> buffer(new float[floats + 16]);
     float* scratch = buffer.get() + (16 - reinterpret_cast<uintptr_t>(buffer.get()) / sizeof(float) % 16) % 16;
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t* t = tl + (w / per_tile) * 4;
-      const int64_t g0 = (w % per_tile) * ng;
+    for (int64_t w = next++; w < static_cast<int64_t>(items.size()); w = next++) {
+      const Item& it = items[w];
+      const int64_t* t = tl + it.tile * 4;
       if constexpr (vector_dtype) {
-        if (decodes && t[1] == 1) {
-          loraplex_attention::decode_rows(a, t[0], t[2], t[3], g0, ng, scratch);
+        if (vectors && t[1] == 1) {
+          loraplex_attention::decode_rows(a, t[0], t[2], t[3], it.g0, it.ng, scratch);
+          continue;
+        }
+        if (vectors) {
+          loraplex_attention::prefill_rows(a, t[0], t[1], t[2], t[3], it.g0, scratch);
           continue;
         }
       }
-      attend<T>(a, t[0], t[1], t[2], t[3], g0, ng, scratch);
+      attend<T>(a, t[0], t[1], t[2], t[3], it.g0, it.ng, scratch);
     }
   });
 }

@@ -1,0 +1,56 @@
+// Vectors of 16 fp32 lanes for the paged attention's vector loops (paged_decode_cpu.cpp, one query
+// row per request; paged_prefill_cpu.cpp, tiles of prefill rows): GCC's vector extensions, which the
+// compiler maps to one AVX-512 register, two AVX2 ones or four SSE ones in each target clone.
+#pragma once
+
+#include "paged_attention.h"
+
+#include <cstdint>
+#include <cstring>
+
+namespace loraplex_attention {
+namespace vec {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+typedef uint32_t vu16 __attribute__((vector_size(64)));
+typedef uint16_t vh16 __attribute__((vector_size(32)));
+
+#define LORAPLEX_INLINE static inline __attribute__((always_inline))
+
+constexpr int kLanes = 16;
+
+// Two-vector shuffles: GCC has had __builtin_shuffle since 4.7 (__builtin_shufflevector only since 12),
+// clang has only __builtin_shufflevector.
+#if defined(__clang__)
+#define LORAPLEX_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define LORAPLEX_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vi16{__VA_ARGS__})
+#endif
+
+LORAPLEX_INLINE v16 load16(const float* p) {
+  v16 r;
+  std::memcpy(&r, p, sizeof r);
+  return r;
+}
+
+LORAPLEX_INLINE v16 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
+  vh16 h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<v16>(__builtin_convertvector(h, vu16) << 16);
+}
+
+LORAPLEX_INLINE v16 splat(float x) { return v16{} + x; }
+
+// exp(x) for x <= 0, lane by lane: paged_attention_cpu.cpp's exp_nonpositive (Cephes' expf, within
+// 1 ulp on [-87, 0]; 0 below -87.3 and for -inf; NaN stays NaN) on a vector.
+LORAPLEX_INLINE v16 exp_nonpositive(v16 x) {
+  v16 n;
+  const v16 y = exp_reduced(x, n);
+  const v16 clamped = n >= -126.f ? n : splat(-126.f);  // NaN: -126 (y is NaN then anyway)
+  const v16 scale = reinterpret_cast<v16>((__builtin_convertvector(clamped, vi16) + 127) << 23);
+  return x < -87.3f ? v16{} : y * scale;
+}
+
+}  // namespace vec
+}  // namespace loraplex_attention
