@@ -11,8 +11,9 @@
 // Output: out [T, nH, D], out[t, h] = softmax(q[t, h] . K^T / sqrt(D)) V over the row's keys, with
 // kv head g = h / G (GQA, as Hugging Face's repeat_kv).
 //
-// Decode tiles (one row) of fp32 or bf16 caches with D a multiple of 16 go to the vector loop of
-// paged_decode_cpu.cpp; every other tile to `attend` below. One work item is a tile of rows times one
+// Tiles of fp32 or bf16 caches with D a multiple of 16 go to the vector loops: decodes (one row) to
+// paged_decode_cpu.cpp's, prefill tiles to paged_prefill_cpu.cpp's; every other tile (fp16, other head
+// dims) to `attend` below, where one work item is a tile of rows times one
 // kv head (or all of them): its n x G queries are scaled into fp32, then each block of bs keys is read
 // once for all of them (flash attention's tiling, Dao et al. 2022, with the online softmax of Milakov & Gimelshein 2018: a running max and sum per query, the accumulator
 // rescaled once per block). Scores, softmax and P V run in fp32 whatever the cache's dtype (bf16 K/V
