@@ -22,7 +22,7 @@ K/V row read); a tile of prefill rows the prefill loop (`paged_prefill_cpu.cpp`:
 16-key chunks, K transposed once per chunk for all the tile's queries). Against `_prefill_matmul` (two
 bmm GEMMs and a softmax per tile, which stays for other dtypes and head dims, and under
 PREFILL_KERNEL = False), the 64 prompts of the vllm preset, one layer, fp32, one thread, 2-core AMD
-EPYC (avx2 avx512f avx512_bf16): 64-74 ms -> 22-25 ms. Elsewhere,
+EPYC (avx2 avx512f avx512_bf16): 64-76 ms -> 22-25 ms. Elsewhere,
 or where the kernel could not be built (`kernels/cpu_ext.py` logs why), the PyTorch path gathers each
 request's context and calls `scaled_dot_product_attention` with a mask; the two agree to fp32
 rounding, which the tests check. The gather reads a request's position 0 for the masked positions past
@@ -171,9 +171,11 @@ def _prefill_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     triangle of the tile's own keys set to -inf, softmax, S V. q [L, nH, D], k, v [L, nKV, D] (this
     chunk's, already in the cache). Returns [L, nH, D].
 
-    On a CPU this beats a flash-style loop and PyTorch's sdpa at prefill shapes, because the products
-    run in MKL's GEMMs: 512 fresh tokens of the default model, 30 layers, fp32, one thread, AVX-512:
-    380 ms with sdpa's causal flash kernel, 500 ms with the compiled kernel's tiles, 225 ms here. K and V
+    The path for prefill chunks the vector loops do not take (fp16, other head dims; or
+    PREFILL_KERNEL off). It beats PyTorch's sdpa and the kernel's general loop (`attend`) at prefill
+    shapes, because the products run in MKL's GEMMs: 512 fresh tokens of the default model, 30 layers,
+    fp32, one thread, AVX-512: 380 ms with sdpa's causal flash kernel, 500 ms with `attend`'s tiles,
+    225 ms here; the kernel's prefill loop is about 3x faster again (module docstring). K and V
     go to the GEMMs as strided views of [C, nKV, D] (no transposed copy), the mask covers only the tile's
     last n keys (the earlier ones are all visible to every row of the tile), and the output is written
     through a view of `out`: 300 + 212 fresh tokens in two chunks, 30 layers: 224 -> 192 ms. Tiles of

@@ -1,5 +1,6 @@
-// Shared by the paged attention's two loops: the general one (paged_attention_cpu.cpp: any tile of rows)
-// and the decode one (paged_decode_cpu.cpp: one row per request, 16 keys per vector). Letters and
+// Shared by the paged attention's three loops: the general one (paged_attention_cpu.cpp: any tile of
+// rows, any dtype and head dim), the decode one (paged_decode_cpu.cpp: one row per request, 16 keys per
+// vector) and the prefill one (paged_prefill_cpu.cpp: tiles of prefill rows, 16-key chunks). Letters and
 // layouts as in paged_attention_cpu.cpp.
 #pragma once
 
@@ -7,7 +8,7 @@
 
 #include <cstdint>
 
-// Both loops' hot functions are compiled for AVX-512, AVX2+FMA and plain x86-64, picked at load time.
+// The loops' hot functions are compiled for AVX-512, AVX2+FMA and plain x86-64, picked at load time.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define LORAPLEX_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
 #else

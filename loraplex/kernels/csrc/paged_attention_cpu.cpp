@@ -11,14 +11,16 @@
 // Output: out [T, nH, D], out[t, h] = softmax(q[t, h] . K^T / sqrt(D)) V over the row's keys, with
 // kv head g = h / G (GQA, as Hugging Face's repeat_kv).
 //
-// Tiles of fp32 or bf16 caches with D a multiple of 16 go to the vector loops: decodes (one row) to
+// Tiles of fp32 or bf16 caches with D = 16, 32, 64, 128 or 256 go to the vector loops: decodes (one row) to
 // paged_decode_cpu.cpp's, prefill tiles to paged_prefill_cpu.cpp's; every other tile (fp16, other head
 // dims) to `attend` below, where one work item is a tile of rows times one
 // kv head (or all of them): its n x G queries are scaled into fp32, then each block of bs keys is read
 // once for all of them (flash attention's tiling, Dao et al. 2022, with the online softmax of Milakov & Gimelshein 2018: a running max and sum per query, the accumulator
 // rescaled once per block). Scores, softmax and P V run in fp32 whatever the cache's dtype (bf16 K/V
-// are widened as they are read), and a position past a row's context is never read, so whatever an
-// unused slot holds (even NaN) cannot enter a product. Work items are spread over PyTorch's own
+// are widened as they are read). No slot past a tile's last row's context is read, so whatever an
+// unused slot holds (even NaN) cannot enter a product; within a tile, `attend` and the decode loop read
+// only a row's own keys, and the prefill loop multiplies a later row's keys (this step's own, already
+// written) by a probability of 0. Work items are spread over PyTorch's own
 // OpenMP pool (at::parallel_for). The hot loop is compiled for AVX-512, AVX2+FMA and plain x86-64 and
 // picked at load time (GCC's target_clones), so one build runs on both CPU families.
 #include <torch/extension.h>

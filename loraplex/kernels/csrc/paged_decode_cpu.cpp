@@ -140,13 +140,7 @@ LORAPLEX_CLONES void decode(const Args<T>& a, int64_t row, int64_t seq, int64_t 
 
 template <typename T>
 void dispatch(const Args<T>& a, int64_t row, int64_t seq, int64_t ctx, int64_t g0, int64_t ng, float* scratch) {
-  switch (a.D / kLanes) {
-    case 1: return decode<T, 1>(a, row, seq, ctx, g0, ng, scratch);
-    case 2: return decode<T, 2>(a, row, seq, ctx, g0, ng, scratch);
-    case 4: return decode<T, 4>(a, row, seq, ctx, g0, ng, scratch);
-    case 8: return decode<T, 8>(a, row, seq, ctx, g0, ng, scratch);
-    case 16: return decode<T, 16>(a, row, seq, ctx, g0, ng, scratch);
-  }
+  with_nd(a.D, [&](auto nd) { decode<T, decltype(nd)::value>(a, row, seq, ctx, g0, ng, scratch); });
 }
 
 }  // namespace

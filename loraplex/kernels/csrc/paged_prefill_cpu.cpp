@@ -19,7 +19,7 @@
 // horizontal sum per (query, key). A query takes a chunk's keys only up to its own context, so a row
 // never sees a later row's key; P V multiplies such keys by a probability of 0, and since they are the
 // same request's own tokens of this step (already written), a NaN there is that request's own (see
-// attention.py). fp32 or bf16 caches (bf16 widened as loaded), D a multiple of 16 up to 256.
+// attention.py). fp32 or bf16 caches (bf16 widened as loaded), D = 16, 32, 64, 128 or 256 (with_nd).
 #include "paged_attention.h"
 #include "paged_vec.h"
 
@@ -174,13 +174,7 @@ LORAPLEX_CLONES void prefill(const Args<T>& a, int64_t row0, int64_t n, int64_t 
 
 template <typename T>
 void dispatch(const Args<T>& a, int64_t row0, int64_t n, int64_t seq, int64_t ctx0, int64_t g, float* scratch) {
-  switch (a.D / kLanes) {
-    case 1: return prefill<T, 1>(a, row0, n, seq, ctx0, g, scratch);
-    case 2: return prefill<T, 2>(a, row0, n, seq, ctx0, g, scratch);
-    case 4: return prefill<T, 4>(a, row0, n, seq, ctx0, g, scratch);
-    case 8: return prefill<T, 8>(a, row0, n, seq, ctx0, g, scratch);
-    case 16: return prefill<T, 16>(a, row0, n, seq, ctx0, g, scratch);
-  }
+  with_nd(a.D, [&](auto nd) { prefill<T, decltype(nd)::value>(a, row0, n, seq, ctx0, g, scratch); });
 }
 
 }  // namespace

@@ -5,8 +5,11 @@
 
 #include "paged_attention.h"
 
+#include <c10/util/Exception.h>
+
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace loraplex_attention {
 namespace vec {
@@ -50,6 +53,21 @@ LORAPLEX_INLINE v16 exp_nonpositive(v16 x) {
   const v16 clamped = n >= -126.f ? n : splat(-126.f);  // NaN: -126 (y is NaN then anyway)
   const v16 scale = reinterpret_cast<v16>((__builtin_convertvector(clamped, vi16) + 127) << 23);
   return x < -87.3f ? v16{} : y * scale;
+}
+
+// Calls f(std::integral_constant<int, ND>{}) with ND = D / 16, the head dim in vectors, as a compile-time
+// constant, so that each loop keeps its accumulators [ND] in registers. D / 16 must be 1, 2, 4, 8 or 16
+// (decode_supported); any other D raises (the caller sends such tiles to `attend`, so it is a bug).
+template <typename F>
+inline void with_nd(int64_t D, F&& f) {
+  switch (D % kLanes == 0 ? D / kLanes : 0) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+    case 16: return f(std::integral_constant<int, 16>{});
+  }
+  TORCH_CHECK(false, "paged attention: the vector loops take D / 16 in {1, 2, 4, 8, 16}, got D = ", D);
 }
 
 }  // namespace vec
