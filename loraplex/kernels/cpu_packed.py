@@ -130,7 +130,8 @@ def _block_diagonal(bs: list[torch.Tensor], extra: dict) -> torch.Tensor:
     return extra["bd"]
 
 # Fused-shrink capacity: rank rows per slice under each base weight, the packed path's 16-bit limit on
-# N (`lora_ops.PACKED_LIMITS_16BIT`; an fp32 step past it takes the packed path unfused).
+# N (`lora_ops.PACKED_LIMITS_16BIT`; an fp32 step past it, without the compiled BGMV kernel, takes the
+# packed path unfused).
 FUSED_MAX_ROWS = 48
 
 # Output widths whose base columns stay bit-identical with rows added under the weight (measured).

@@ -13,7 +13,8 @@ segment), "packed" (PyTorch, one matmul pair for all adapters; CPU path for few 
 (each row reads only its own adapter, in the compiled CPU kernel `cpu_ext` where it is built, else
 through PyTorch `embedding_bag`; CPU path for many adapters, with prefill-sized segments split off to
 dense matmul pairs). `LORAPLEX_LORA_BACKEND` or `set_backend` forces one;
-"auto" picks Triton on CUDA, and on CPU packed up to N <= 48 (bf16/fp16), else bgmv. Forcing
+"auto" picks Triton on CUDA, and on CPU packed up to N <= 48 (any dtype where the compiled BGMV
+kernel runs; fp32 without it up to N <= 1024), else bgmv. Forcing
 "triton" on CPU tensors runs the kernels in the Triton interpreter, which needs TRITON_INTERPRET=1 set
 before the kernels module is first imported (tests).
 """
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from loraplex.kernels import cpu_ext
 from loraplex.kernels.cpu import CPULoRA
 from loraplex.kernels.cpu_gemm import linear as base_linear
 from loraplex.kernels.cpu_packed import fused_layout, fused_linear, fused_shrink_of
@@ -41,8 +43,12 @@ _CPU = CPULoRA()  # the CPU implementation and its caches; CUDA runs the Triton 
 # CPU path choice (measured on a 2-core AVX512-BF16 CPU; the figures are in docs/kernels.md): the
 # packed path multiplies every row by all N active rank columns, so it is cheapest while N is small;
 # bgmv reads only each row's own adapter, so its cost does not grow with the number of adapters. They
-# cross at about six rank-8 adapters in bf16. fp32 keeps the limit measured against the older per-row path.
-PACKED_LIMITS = {torch.float32: (1024, 160 * 1024)}  # dtype -> (max N, max T x N)
+# cross at about six rank-8 adapters in bf16. In fp32 the same limit holds where the compiled BGMV
+# kernel runs (an AVX-512 CPU): the vllm preset's 16 rank-8 adapters (N = 128 at a 64-row decode),
+# 2-core AMD EPYC, 1 thread, took 21.2-22.4 s packed against 18.4-19.2 s with bgmv (docs/kernels.md).
+# Without the kernel, fp32 bgmv runs on embedding_bag gathers, and keeps the limit measured against
+# that older per-row path.
+PACKED_LIMITS = {torch.float32: (1024, 160 * 1024)}  # dtype -> (max N, max T x N) without the compiled kernel
 
 PACKED_LIMITS_16BIT = (48, 1024 * 1024)
 
@@ -95,7 +101,10 @@ def _pick_backend(x: torch.Tensor, meta: LoRAMeta, slices: Sequence[LoRAWeights]
     if meta._active_ranks is None:  # every layer of the step asks: count once
         meta._active_ranks = sum(meta.slot_ranks[s] for s in meta.seg_slots_list)
     n = meta._active_ranks
-    max_n, max_tn = PACKED_LIMITS.get(x.dtype, PACKED_LIMITS_16BIT)
+    if x.dtype in PACKED_LIMITS and cpu_ext.get() is None:
+        max_n, max_tn = PACKED_LIMITS[x.dtype]
+    else:
+        max_n, max_tn = PACKED_LIMITS_16BIT
     if n <= max_n and meta.num_tokens * n <= max_tn:
         return "packed"
     return "bgmv" if all(w.BT is not None for w in slices) else "segmented"

@@ -80,16 +80,22 @@ def test_dispatch_auto_and_forced(monkeypatch):
         lora_ops.set_backend("cublas")
 
 
-@pytest.mark.parametrize("dtype, num_tokens, num_adapters, mirrors, expected", [
-    (torch.bfloat16, 64, 6, True, "packed"),  # N = 48
-    (torch.bfloat16, 64, 8, True, "bgmv"),  # N = 64
-    (torch.bfloat16, 64, 64, True, "bgmv"),  # N = 512: each row reads only its own adapter
-    (torch.float32, 2048, 12, True, "bgmv"),  # N = 96 but T x N = 192K
-    (torch.float32, 16, 12, True, "packed"),
-    (torch.bfloat16, 64, 64, False, "segmented"),  # slot buffers without the CPU mirrors
+@pytest.mark.parametrize("dtype, num_tokens, num_adapters, mirrors, kernel, expected", [
+    (torch.bfloat16, 64, 6, True, True, "packed"),  # N = 48
+    (torch.bfloat16, 64, 8, True, True, "bgmv"),  # N = 64
+    (torch.bfloat16, 64, 64, True, True, "bgmv"),  # N = 512: each row reads only its own adapter
+    (torch.float32, 64, 6, True, True, "packed"),  # fp32 where the compiled BGMV kernel runs: as bf16
+    (torch.float32, 64, 16, True, True, "bgmv"),  # N = 128: the vllm preset's decode steps
+    (torch.float32, 2048, 12, True, False, "bgmv"),  # fp32 on the gathers: N = 96 but T x N = 192K
+    (torch.float32, 16, 12, True, False, "packed"),  # fp32 on the gathers: up to N = 1024
+    (torch.bfloat16, 64, 64, False, True, "segmented"),  # slot buffers without the CPU mirrors
 ])
-def test_auto_picks_the_cpu_path_measured_fastest(monkeypatch, dtype, num_tokens, num_adapters, mirrors, expected):
+def test_auto_picks_the_cpu_path_measured_fastest(monkeypatch, dtype, num_tokens, num_adapters, mirrors, kernel,
+                                                  expected):
     monkeypatch.setattr(lora_ops, "_backend", "auto")
+    monkeypatch.setattr(lora_ops.cpu_ext, "get", (lambda: cpu_ext.load()) if kernel else (lambda: None))
+    if kernel and cpu_ext.load() is None:
+        pytest.fail("the CPU kernels must build here (CI has a compiler)")
     meta = build_lora_meta([t % num_adapters for t in range(num_tokens)], DEVICE, slot_ranks=[8] * 64)
     w = LoRAWeights.empty(64, 8, 8, 8, dtype, DEVICE)
     if not mirrors:
@@ -113,7 +119,8 @@ def test_bgmv_sends_long_segments_through_dense_matmuls(monkeypatch):
         monkeypatch.setattr(cpu, name, lambda *a, real=real, name=name: calls.append(
             (name, a[3].row_order.numel())) or real(*a))
     monkeypatch.setattr(lora_ops, "_backend", "auto")
-    monkeypatch.setattr(lora_ops, "PACKED_LIMITS", {torch.float32: (16, 1 << 20)})
+    monkeypatch.setattr(lora_ops, "PACKED_LIMITS", {torch.float32: (16, 1 << 20)})  # fp32 without the kernel
+    monkeypatch.setattr(lora_ops, "PACKED_LIMITS_16BIT", (16, 1 << 20))  # and with it
     monkeypatch.setattr(cpu_bgmv, "LONG_SEGMENT_ROWS", 32)
     y = case.y.clone()
     lora_ops.add_lora(y, case.x, case.slices, case.meta, case.offsets)
@@ -204,6 +211,7 @@ def test_bgmv_step_of_only_long_segments_takes_dense_matmuls(monkeypatch):
     case.meta = build_lora_meta(slot_ids, DEVICE, slot_ranks=case.meta.slot_ranks)
     monkeypatch.setattr(lora_ops, "_backend", "auto")
     monkeypatch.setattr(lora_ops, "PACKED_LIMITS", {torch.float32: (4, 1 << 20)})
+    monkeypatch.setattr(lora_ops, "PACKED_LIMITS_16BIT", (4, 1 << 20))
     monkeypatch.setattr(cpu_bgmv, "LONG_SEGMENT_ROWS", 32)
     monkeypatch.setattr(cpu, "add_lora_bgmv", None)  # any call would raise
     y = case.y.clone()
