@@ -13,8 +13,8 @@ segment), "packed" (PyTorch, one matmul pair for all adapters; CPU path for few 
 (each row reads only its own adapter, in the compiled CPU kernel `cpu_ext` where it is built, else
 through PyTorch `embedding_bag`; CPU path for many adapters, with prefill-sized segments split off to
 dense matmul pairs). `LORAPLEX_LORA_BACKEND` or `set_backend` forces one;
-"auto" picks Triton on CUDA, and on CPU packed up to N <= 48 (any dtype where the compiled BGMV
-kernel runs; fp32 without it up to N <= 1024), else bgmv. Forcing
+"auto" picks Triton on CUDA, and on CPU packed up to N <= 48 (16-bit always, fp32 where the
+compiled BGMV kernel runs; fp32 without it up to N <= 1024), else bgmv. Forcing
 "triton" on CPU tensors runs the kernels in the Triton interpreter, which needs TRITON_INTERPRET=1 set
 before the kernels module is first imported (tests).
 """
@@ -46,9 +46,9 @@ _CPU = CPULoRA()  # the CPU implementation and its caches; CUDA runs the Triton 
 # cross at about six rank-8 adapters in bf16. In fp32 the same limit holds where the compiled BGMV
 # kernel runs (an AVX-512 CPU): the vllm preset's 16 rank-8 adapters (N = 128 at a 64-row decode),
 # 2-core AMD EPYC, 1 thread, took 21.2-22.4 s packed against 18.4-19.2 s with bgmv (docs/kernels.md).
-# Without the kernel, fp32 bgmv runs on embedding_bag gathers, and keeps the limit measured against
-# that older per-row path.
-PACKED_LIMITS = {torch.float32: (1024, 160 * 1024)}  # dtype -> (max N, max T x N) without the compiled kernel
+# Without the kernel, fp32 bgmv runs on embedding_bag gathers, and keeps the N limit measured against
+# that older per-row path; its T x N limit holds either way.
+PACKED_LIMITS = {torch.float32: (1024, 160 * 1024)}  # dtype -> (max N, max T x N); with the kernel N <= 48
 
 PACKED_LIMITS_16BIT = (48, 1024 * 1024)
 
@@ -101,10 +101,9 @@ def _pick_backend(x: torch.Tensor, meta: LoRAMeta, slices: Sequence[LoRAWeights]
     if meta._active_ranks is None:  # every layer of the step asks: count once
         meta._active_ranks = sum(meta.slot_ranks[s] for s in meta.seg_slots_list)
     n = meta._active_ranks
-    if x.dtype in PACKED_LIMITS and cpu_ext.get() is None:
-        max_n, max_tn = PACKED_LIMITS[x.dtype]
-    else:
-        max_n, max_tn = PACKED_LIMITS_16BIT
+    max_n, max_tn = PACKED_LIMITS.get(x.dtype, PACKED_LIMITS_16BIT)
+    if x.dtype in PACKED_LIMITS and cpu_ext.get() is not None:  # the compiled kernel: bgmv past 16-bit's N
+        max_n = min(max_n, PACKED_LIMITS_16BIT[0])
     if n <= max_n and meta.num_tokens * n <= max_tn:
         return "packed"
     return "bgmv" if all(w.BT is not None for w in slices) else "segmented"

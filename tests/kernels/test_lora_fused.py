@@ -70,6 +70,8 @@ def test_more_pages_than_the_room_falls_back(monkeypatch):
     case, linear, base = _fused_case(64, "uniform", 12, torch.float32, 8, seed=6)
     fs = fused_shrink_of(linear)
     monkeypatch.setattr(fs, "cap_pages", 2)
+    monkeypatch.setattr(lora_ops, "PACKED_LIMITS_16BIT", (1024, 1 << 20))  # fp32 with the BGMV kernel: packed too
+    assert lora_ops._pick_backend(case.x, case.meta, case.slices) == "packed"
     out = lora_linear(case.x, linear, case.slices, case.meta)
     assert fs.key is None
     assert_matches(out, case, base)
