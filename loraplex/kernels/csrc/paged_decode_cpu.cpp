@@ -6,9 +6,11 @@
 //   scores: 16 dot products q . k_j, each summed over D as one vector of 16 partial sums, then the
 //           16 vectors reduced to one vector of 16 scores by a transpose-and-add tree (30 two-vector
 //           shuffles and 15 adds, where a horizontal sum per key took 4-5 dependent steps each);
-//   softmax: the online softmax of Milakov & Gimelshein (2018) on that vector (running max and sum,
-//           the accumulator rescaled once per chunk), exp as a vector;
-//   P V:     the accumulator [D] held in registers while the chunk's 16 V rows are added into it.
+//   softmax: the online softmax of Milakov & Gimelshein (2018) on that vector, all in vectors: the
+//           running max by a butterfly over the lanes, the running sum kept by lane (added up once at
+//           the end), the accumulator rescaled once per chunk, exp as a vector;
+//   P V:     the accumulators [D] of several query heads (8 vectors in all with AVX-512) held in
+//           registers while the chunk's 16 V rows are added into them, each V row loaded once for them.
 // Each K and V row is read once per chunk for all G query heads of its kv head, in place from the cache
 // (bf16 rows are widened as they are loaded). Sums run in another order than the general loop's, so the
 // two differ in the last bits (both within fp32 rounding of fp64 attention, tested).
@@ -45,27 +47,50 @@ LORAPLEX_INLINE v16 transpose_sum(const v16* t) {
          LORAPLEX_SHUFFLE(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-// scratch (64-byte aligned): qf [H, ND] and acc [H, ND] vectors, dots [G, 16] vectors, then floats:
-// p [G, 16], mx [H], sum [H], corr [G]; H = ng x G query heads of the item.
-template <typename T, int ND>
+// acc [B, ND] <- acc x corr + the sum over the chunk's keys j < nk of p[., j] x V_j, for B query heads of
+// one kv head: their B x ND accumulators stay in registers and each V row is loaded once for all B.
+// corr [B] and p [B] vectors (p lane j: key j's probability).
+template <typename T, int ND, int B>
+LORAPLEX_INLINE void add_pv(v16* acc, const v16* p, const v16* corr, const T* const* vrow, int64_t head,
+                            int64_t nk) {
+  v16 o[B][ND];
+  for (int b = 0; b < B; ++b)
+    for (int c = 0; c < ND; ++c) o[b][c] = acc[b * ND + c] * corr[b];
+  for (int64_t j = 0; j < nk; ++j) {
+    v16 vj[ND];
+    for (int c = 0; c < ND; ++c) vj[c] = load16(vrow[j] + head + c * kLanes);
+    for (int b = 0; b < B; ++b) {
+      const float pj = reinterpret_cast<const float*>(p + b)[j];
+      for (int c = 0; c < ND; ++c) o[b][c] += pj * vj[c];
+    }
+  }
+  for (int b = 0; b < B; ++b)
+    for (int c = 0; c < ND; ++c) acc[b * ND + c] = o[b][c];
+}
+
+// scratch (64-byte aligned), in vectors: qf [H, ND], acc [H, ND], dots [G, 16], p [G], mx [H] (the running
+// max in every lane), sum [H] (running sums by lane, added up at the end), corr [G]; H = ng x G query
+// heads of the item. PV query heads at a time go through add_pv.
+template <typename T, int ND, int PV>
 LORAPLEX_CLONES void decode(const Args<T>& a, int64_t row, int64_t seq, int64_t ctx, int64_t g0, int64_t ng,
                             float* scratch) {
   const int64_t G = a.G, H = ng * G, bs = a.bs;
   v16* qf = reinterpret_cast<v16*>(scratch);
   v16* acc = qf + H * ND;
   v16* dots = acc + H * ND;
-  float* p = reinterpret_cast<float*>(dots + G * kLanes);
-  float* mx = p + G * kLanes;
-  float* sum = mx + H;
-  float* corr = sum + H;
+  v16* p = dots + G * kLanes;
+  v16* mx = p + G;
+  v16* sum = mx + H;
+  v16* corr = sum + H;
+  const v16 neg_inf = splat(-std::numeric_limits<float>::infinity());
   for (int64_t h = 0; h < H; ++h) {
     const T* qr = a.q + row * a.q_row + (g0 * G + h) * a.q_head;
     for (int c = 0; c < ND; ++c) {
       qf[h * ND + c] = load16(qr + c * kLanes) * a.scale;
       acc[h * ND + c] = v16{};
     }
-    mx[h] = -std::numeric_limits<float>::infinity();
-    sum[h] = 0.f;
+    mx[h] = neg_inf;
+    sum[h] = v16{};
   }
   const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const int64_t* table = a.tables + seq * a.table_stride;
@@ -103,44 +128,50 @@ LORAPLEX_CLONES void decode(const Args<T>& a, int64_t row, int64_t seq, int64_t 
           dots[m * kLanes + j] = s;
         }
       }
+      // the online softmax on vectors, with no scalar chain over the 16 lanes: the max by a butterfly,
+      // the sums kept by lane
       for (int64_t m = 0; m < G; ++m) {
         for (int64_t j = nk; j < kLanes; ++j) dots[m * kLanes + j] = v16{};
         const int64_t qi = gi * G + m;
-        const v16 s = lane < static_cast<int32_t>(nk) ? transpose_sum(dots + m * kLanes)
-                                                       : splat(-std::numeric_limits<float>::infinity());
-        float best = mx[qi];
-        for (int j = 0; j < kLanes; ++j) best = std::max(best, s[j]);
-        corr[m] = std::exp(mx[qi] - best);  // exp(-inf) = 0 on the first chunk
-        const v16 e = exp_nonpositive(s - best);
-        float total = 0.f;
-        for (int j = 0; j < kLanes; ++j) total += e[j];
-        std::memcpy(p + m * kLanes, &e, sizeof e);
+        const v16 s = lane < static_cast<int32_t>(nk) ? transpose_sum(dots + m * kLanes) : neg_inf;
+        const v16 best = all_max(mx[qi] > s ? mx[qi] : s);  // the running max, in every lane
+        corr[m] = exp_nonpositive(mx[qi] - best);            // exp(-inf) = 0 on the first chunk
+        p[m] = exp_nonpositive(s - best);
         mx[qi] = best;
-        sum[qi] = sum[qi] * corr[m] + total;
+        sum[qi] = sum[qi] * corr[m] + p[m];
       }
-      for (int64_t m = 0; m < G; ++m) {
-        v16* am = acc + (gi * G + m) * ND;
-        v16 o[ND];
-        for (int c = 0; c < ND; ++c) o[c] = am[c] * corr[m];
-        for (int64_t j = 0; j < nk; ++j) {
-          const float pj = p[m * kLanes + j];
-          for (int c = 0; c < ND; ++c) o[c] += pj * load16(vrow[j] + head + c * kLanes);
-        }
-        for (int c = 0; c < ND; ++c) am[c] = o[c];
-      }
+      v16* am = acc + gi * G * ND;
+      int64_t m = 0;
+      for (; m + PV <= G; m += PV) add_pv<T, ND, PV>(am + m * ND, p + m, corr + m, vrow, head, nk);
+      for (; m < G; ++m) add_pv<T, ND, 1>(am + m * ND, p + m, corr + m, vrow, head, nk);
     }
   }
   for (int64_t h = 0; h < H; ++h) {
     T* o = a.out + row * a.q_row + (g0 * G + h) * a.q_head;
-    const float inv = 1.f / sum[h];
+    float total = 0.f;
+    for (int j = 0; j < kLanes; ++j) total += sum[h][j];
+    const float inv = 1.f / total;
     const float* am = reinterpret_cast<const float*>(acc + h * ND);
     for (int64_t d = 0; d < ND * kLanes; ++d) o[d] = T(am[d] * inv);
   }
 }
 
+// Query heads per P V block: enough independent accumulators (PV x ND vectors) to keep both FMA pipes
+// busy through their latency, few enough to stay in registers: 8 vectors with AVX-512's 32 registers;
+// with AVX2's 16, where a vector of 16 floats takes two, 4 (one head at D = 64, as before blocks).
+template <int ND>
+constexpr int pv_heads(bool wide) {
+  return wide ? (ND >= 8 ? 1 : 8 / ND > 4 ? 4 : 8 / ND) : (ND >= 4 ? 1 : 4 / ND);
+}
+
 template <typename T>
 void dispatch(const Args<T>& a, int64_t row, int64_t seq, int64_t ctx, int64_t g0, int64_t ng, float* scratch) {
-  with_nd(a.D, [&](auto nd) { decode<T, decltype(nd)::value>(a, row, seq, ctx, g0, ng, scratch); });
+  static const bool wide = __builtin_cpu_supports("avx512f");
+  with_nd(a.D, [&](auto nd) {
+    constexpr int ND = decltype(nd)::value;
+    if (wide) decode<T, ND, pv_heads<ND>(true)>(a, row, seq, ctx, g0, ng, scratch);
+    else decode<T, ND, pv_heads<ND>(false)>(a, row, seq, ctx, g0, ng, scratch);
+  });
 }
 
 }  // namespace
@@ -151,7 +182,7 @@ bool decode_supported(int64_t D) {
 }
 
 int64_t decode_scratch(int64_t nH, int64_t D, int64_t G) {
-  return 2 * nH * D + G * kLanes * kLanes + G * kLanes + 2 * nH + G;
+  return 2 * nH * D + (G * kLanes + G + 2 * nH + G) * kLanes;
 }
 
 void decode_rows(const Args<float>& a, int64_t row, int64_t seq, int64_t ctx, int64_t g0, int64_t ng, float* scratch) {

@@ -60,18 +60,6 @@ LORAPLEX_INLINE void transpose16(v16* r) {
 #undef LORAPLEX_SWAP
 }
 
-// Every lane of the result: the max of v's 16 lanes (a butterfly: max with the lanes 8, 4, 2, 1 apart).
-LORAPLEX_INLINE v16 all_max(v16 v) {
-  v16 t = LORAPLEX_SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v = v > t ? v : t;
-  t = LORAPLEX_SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  v = v > t ? v : t;
-  t = LORAPLEX_SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  v = v > t ? v : t;
-  t = LORAPLEX_SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  return v > t ? v : t;
-}
-
 // scratch (64-byte aligned), in vectors: kt [D], qf [Mp, ND], acc [M, ND], p [Mp], mx [Mp] (the running
 // max in every lane), sum [Mp] (running sums by lane, added up at the end), corr [Mp]; Mp = M rounded up
 // to kScoreQueries (the padding queries are 0 and never used).

@@ -55,6 +55,18 @@ LORAPLEX_INLINE v16 exp_nonpositive(v16 x) {
   return x < -87.3f ? v16{} : y * scale;
 }
 
+// Every lane of the result: the max of v's 16 lanes (a butterfly: max with the lanes 8, 4, 2, 1 apart).
+LORAPLEX_INLINE v16 all_max(v16 v) {
+  v16 t = LORAPLEX_SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v = v > t ? v : t;
+  t = LORAPLEX_SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v = v > t ? v : t;
+  t = LORAPLEX_SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v = v > t ? v : t;
+  t = LORAPLEX_SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v > t ? v : t;
+}
+
 // Calls f(std::integral_constant<int, ND>{}) with ND = D / 16, the head dim in vectors, as a compile-time
 // constant, so that each loop keeps its accumulators [ND] in registers. D / 16 must be 1, 2, 4, 8 or 16
 // (decode_supported); any other D raises (the caller sends such tiles to `attend`, so it is a bug).
