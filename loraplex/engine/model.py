@@ -7,7 +7,8 @@ q/k/v and gate/up are fused into one matmul each (fewer, larger GEMMs); LoRA goe
 projection, one adapter per row, through `loraplex.kernels.lora_linear` (on CPU the shrink of some
 adapters runs inside the base GEMM; elsewhere the base projection then `add_lora`). Numerics follow
 Hugging Face's LlamaForCausalLM (RMSNorm in fp32, RoPE cos/sin in fp32, rotate-half layout), which is
-what the parity tests compare against.
+what the parity tests compare against. In fp32 on a CPU each residual add runs with the RMSNorm after it,
+and SiLU with the multiply by up, in one pass of the compiled kernel (within a few ulps of HF's ops).
 """
 
 from __future__ import annotations
@@ -38,6 +39,19 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_norm(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """x += r in place (x is the residual stream), then this norm of x: x, r [T, H] -> [T, H].
+
+        fp32 on a CPU takes the compiled kernel (`kernels/csrc/norm_act_cpu.cpp`), the add and the norm in
+        one pass over each row, where PyTorch runs seven ops; its sum of squares runs in another order,
+        so it is within a few ulps of HF's form, not always its bits (vLLM's fused_add_rms_norm likewise).
+        Elsewhere, or where the kernel is not built (`cpu_ext` logs why), the add and then `forward`."""
+        ext = _fused_ext(x, r) if self.weight.dtype == torch.float32 else None
+        if ext is not None:
+            return ext.add_rms_norm(x, r, self.weight, self.eps)
+        x += r
+        return self(x)
 
 
 class RotaryEmbedding(nn.Module):
@@ -82,6 +96,18 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.rows(positions, qk.dtype)
         ext.rope_inplace(qk, cos, sin, heads, head_dim)
         return True
+
+
+FUSED_ELEMENTWISE = True  # residual add + RMSNorm and SiLU x up on the compiled kernel where it runs
+
+
+def _fused_ext(*tensors: torch.Tensor):
+    """The compiled CPU module if the fused elementwise kernels take these tensors (2-D fp32 CPU tensors
+    with contiguous rows, FUSED_ELEMENTWISE on, the kernels built), else None."""
+    if not FUSED_ELEMENTWISE or any(t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2
+                                    or t.stride(-1) != 1 for t in tensors):
+        return None
+    return cpu_ext.load()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -135,8 +161,12 @@ class MLP(nn.Module):
             gate_up = lora_linear(x, self.gate_up_proj, [self.lora["gate_proj"], self.lora["up_proj"]], lora)
         else:
             gate_up = base_linear(self.gate_up_proj, x)  # [T, 2I]
-        gate, up = gate_up.split(self.inter, dim=-1)
-        h = F.silu(gate).mul_(up)  # [T, I]; in place on silu's output: one pass and one buffer fewer
+        ext = _fused_ext(gate_up)
+        if ext is not None:
+            h = ext.silu_mul(gate_up)  # [T, I] in one pass (kernels/csrc/norm_act_cpu.cpp)
+        else:
+            gate, up = gate_up.split(self.inter, dim=-1)
+            h = F.silu(gate).mul_(up)  # [T, I]; in place on silu's output: one pass and one buffer fewer
         if lora is not None and "down_proj" in self.lora:
             return lora_linear(h, self.down_proj, [self.lora["down_proj"]], lora)
         return base_linear(self.down_proj, h)
@@ -150,11 +180,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, kv_cache, attn, lora):
-        """x [T, H] (the residual stream; updated in place) -> [T, H]."""
-        x += self.self_attn(self.input_layernorm(x), positions, kv_cache, attn, lora)
-        x += self.mlp(self.post_attention_layernorm(x), lora)
-        return x
+    def forward(self, x, h, positions, kv_cache, attn, lora, next_norm: RMSNorm):
+        """x [T, H] the residual stream (updated in place), h [T, H] = input_layernorm(x) -> next_norm(x)
+        after this layer [T, H]: each residual add goes with the norm after it (vLLM's layers pass the
+        residual the same way), so the next layer's input norm (or the final norm) is applied here."""
+        h = self.post_attention_layernorm.add_norm(x, self.self_attn(h, positions, kv_cache, attn, lora))
+        return next_norm.add_norm(x, self.mlp(h, lora))
 
 
 class LlamaModel(nn.Module):
@@ -191,10 +222,12 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 attn: AttentionMetadata, lora: LoRAMeta | None = None) -> torch.Tensor:
         """input_ids [T], positions [T] -> final hidden states [T, H]."""
-        x = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, kv_cache, attn, lora)
-        return self.norm(x)
+        x = self.embed_tokens(input_ids)  # [T, H], the residual stream
+        h = self.layers[0].input_layernorm(x)
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, kv_cache, next_norm in zip(self.layers, kv_caches, next_norms, strict=True):
+            h = layer(x, h, positions, kv_cache, attn, lora, next_norm)
+        return h
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

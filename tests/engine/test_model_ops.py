@@ -1,11 +1,13 @@
 """The decoder's elementwise ops against Hugging Face's forms: fp32 RMSNorm through `F.rms_norm` and
 RoPE rotated in place by the compiled kernel give the same bits as the four-op PyTorch expressions that
-LlamaForCausalLM uses; other dtypes keep those expressions."""
+LlamaForCausalLM uses; other dtypes keep those expressions. The fused residual add + RMSNorm and SiLU x up
+(one pass each on the compiled kernel) are within a few ulps of fp64, and keep PyTorch's residual sum."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from loraplex.engine.model import RMSNorm, RotaryEmbedding, _rotate_half
 from loraplex.kernels import cpu_ext
@@ -62,3 +64,62 @@ def test_rope_rows_are_gathered_once_per_positions_tensor_and_bf16_takes_the_pyt
     assert not rope.rotate_qk_(positions, qk, 2, 8)
     with pytest.raises(RuntimeError, match="do not fit"):
         cpu_ext.load().rope_inplace(torch.randn(3, 16), rope.cos[positions], rope.sin[positions], 3, 8)
+
+
+def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest |got - want| in units of fp32's spacing at want (want computed in fp64)."""
+    spacing = torch.finfo(torch.float32).eps * want.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    return ((got.double() - want).abs() / spacing.double()).max().item()
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (37, 576), (5, 40)])  # 40: a tail past the 16-lane vectors
+def test_fused_add_rms_norm_adds_in_place_and_is_within_ulps_of_fp64(rows, hidden):
+    """x += r is PyTorch's own sum bit for bit; the norm after it is within 3 ulps of fp64 (the sum of
+    squares runs in another order than PyTorch's, so bits may differ) and of F.rms_norm."""
+    if cpu_ext.load() is None:
+        pytest.fail("the CPU kernels must build here (CI has a compiler)")
+    gen = torch.Generator().manual_seed(3)
+    norm = RMSNorm(hidden, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=gen))
+    x, r = torch.randn(rows, hidden, generator=gen) * 4, torch.randn(rows, hidden, generator=gen)
+    want_x = x + r
+    xd = want_x.double()
+    want = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
+    with torch.inference_mode():
+        got = norm.add_norm(x, r)
+    assert torch.equal(x, want_x)  # the residual stream, updated in place
+    assert _ulps(got, want) <= 3, _ulps(got, want)
+    assert (got - F.rms_norm(want_x, (hidden,), norm.weight, 1e-5)).abs().max() <= 4e-6 * want.abs().max()
+    # the PyTorch form, where the kernel is not taken (bf16; or FUSED_ELEMENTWISE off): add, then forward
+    xb, rb = x.clone().bfloat16(), r.bfloat16()
+    with torch.inference_mode():
+        got_b = norm.to(torch.bfloat16).add_norm(xb, rb)
+    assert torch.equal(got_b, hf_rms_norm(x.bfloat16() + rb, norm.weight, 1e-5))
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (64, 1536), (3, 24)])
+def test_fused_silu_mul_is_within_ulps_of_fp64_and_keeps_nan_and_extremes(rows, inter):
+    if cpu_ext.load() is None:
+        pytest.fail("the CPU kernels must build here (CI has a compiler)")
+    gen = torch.Generator().manual_seed(4)
+    gate_up = torch.randn(rows, 2 * inter, generator=gen) * 6
+    gate_up[0, :4] = torch.tensor([float("nan"), 200.0, -200.0, 0.0])  # exp(-g) overflows in PyTorch's form
+    got = cpu_ext.load().silu_mul(gate_up)
+    g, u = gate_up.double().split(inter, dim=-1)
+    want = g * torch.sigmoid(g) * u
+    assert got.shape == (rows, inter) and torch.isnan(got[0, 0]) and not torch.isnan(got[:, 1:]).any()
+    finite = want.isfinite()
+    finite[0, 0] = False
+    assert _ulps(got[finite], want[finite]) <= 4, _ulps(got[finite], want[finite])
+    assert torch.equal(got[0, 1:4], (F.silu(gate_up[0, :4]) * gate_up[0, inter:inter + 4])[1:])
+    with pytest.raises(RuntimeError, match="even number of columns"):
+        cpu_ext.load().silu_mul(torch.randn(2, 7))
+
+
+def test_the_model_takes_the_fused_ops_only_for_fp32_rows():
+    from loraplex.engine import model
+
+    assert model._fused_ext(torch.randn(4, 8)) is cpu_ext.load()
+    assert model._fused_ext(torch.randn(4, 8), torch.randn(4, 8, dtype=torch.bfloat16)) is None
+    assert model._fused_ext(torch.randn(8, 4).t()) is None  # columns not contiguous

@@ -1,5 +1,5 @@
 // The CPU extension's Python module: the functions of bgmv_cpu.cpp, paged_attention_cpu.cpp and
-// packed_gemm_cpu.cpp and rope_cpu.cpp.
+// packed_gemm_cpu.cpp, rope_cpu.cpp and norm_act_cpu.cpp.
 #include <torch/extension.h>
 
 #include <vector>
@@ -12,6 +12,8 @@ void bgmv(at::Tensor y, at::Tensor x, at::Tensor order, at::Tensor sid, std::vec
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor tiles, int64_t block_size, double scale);
 void rope_inplace(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim);
+at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& r, const at::Tensor& weight, double eps);
+at::Tensor silu_mul(const at::Tensor& gate_up);
 bool packed_gemm_available();
 at::Tensor packed_gemm_pack(const at::Tensor& weight);
 int64_t packed_gemm_bytes(int64_t n, int64_t k);
@@ -25,6 +27,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "Attention of each row over its request's K/V read through the block table (see paged_attention_cpu.cpp)");
   m.def("rope_inplace", &rope_inplace, "RoPE in place on the first heads of each row, fp32 (see rope_cpu.cpp)");
+  m.def("add_rms_norm", &add_rms_norm, "x += r in place, then RMSNorm of x, fp32 (see norm_act_cpu.cpp)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up output, fp32 (see norm_act_cpu.cpp)");
   m.def("packed_gemm_available", &packed_gemm_available, "Whether this PyTorch's MKL has the packed GEMM");
   m.def("packed_gemm_pack", &packed_gemm_pack, "An fp32 [N, K] weight packed for packed_gemm_linear");
   m.def("packed_gemm_bytes", &packed_gemm_bytes, "Bytes of a packed [N, K] weight");

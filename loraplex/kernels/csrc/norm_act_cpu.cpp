@@ -1,0 +1,119 @@
+// The decoder's elementwise chains in one pass each, fp32 on the CPU (vLLM's fused_add_rms_norm and
+// silu_and_mul do the same on the GPU). Letters: T rows, H hidden, I intermediate.
+//
+//   add_rms_norm: x [T, H] += r [T, H] (in place: the residual stream), then
+//                 out [T, H] = x / sqrt(mean(x^2) + eps) * w [H]            (HF's LlamaRMSNorm, fp32)
+//   silu_mul:     out [T, I] = silu(gu[:, :I]) * gu[:, I:2I], silu(g) = g / (1 + exp(-g))
+//
+// PyTorch runs the first as an add, then pow, mean, add, rsqrt and two multiplies (a pass and a buffer
+// each), the second as silu then mul; at the decode batches of the default model (64 rows of 576 or 1,536
+// floats) each op's fixed cost is most of its time. Each product and quotient is rounded on its own as in
+// PyTorch's ops (no fused multiply-add: fp-contract=off); what can differ is the order in which the
+// squares are summed (16 partial sums here) and exp (Cephes' expf, within 1 ulp, where PyTorch takes
+// Sleef's), so results are within a few ulps of PyTorch's, not always its bits (tested against fp64).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "paged_vec.h"
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+using loraplex_attention::vec::exp_nonpositive;
+using loraplex_attention::vec::kLanes;
+using loraplex_attention::vec::load16;
+using loraplex_attention::vec::v16;
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+LORAPLEX_CLONES void add_rms_norm_rows(float* x, const float* r, const float* w, float* out, int64_t begin,
+                                       int64_t end, int64_t H, int64_t x_row, int64_t r_row, float eps) {
+  const int64_t Hv = H / kLanes * kLanes;
+  for (int64_t t = begin; t < end; ++t) {
+    float* xt = x + t * x_row;
+    const float* rt = r + t * r_row;
+    float* ot = out + t * H;
+    v16 acc{};
+    for (int64_t i = 0; i < Hv; i += kLanes) {
+      const v16 v = load16(xt + i) + load16(rt + i);
+      std::memcpy(xt + i, &v, sizeof v);
+      acc += v * v;
+    }
+    float ss = 0.f;
+    for (int j = 0; j < kLanes; ++j) ss += acc[j];
+    for (int64_t i = Hv; i < H; ++i) {
+      xt[i] += rt[i];
+      ss += xt[i] * xt[i];
+    }
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);  // torch.rsqrt's 1 / sqrt
+    for (int64_t i = 0; i < Hv; i += kLanes) {
+      const v16 y = (load16(xt + i) * inv) * load16(w + i);
+      std::memcpy(ot + i, &y, sizeof y);
+    }
+    for (int64_t i = Hv; i < H; ++i) ot[i] = (xt[i] * inv) * w[i];
+  }
+}
+
+// silu(g) from e = exp(-|g|) <= 1 (exp of a non-positive number, never overflowing): g / (1 + e) for
+// g >= 0, PyTorch's own expression there; (g x e) / (1 + e) below, where PyTorch's exp(-g) can overflow
+// to inf (its quotient is then -0, as here). NaN stays NaN.
+LORAPLEX_CLONES void silu_mul_rows(const float* gu, float* out, int64_t begin, int64_t end, int64_t I,
+                                   int64_t gu_row) {
+  const int64_t Iv = I / kLanes * kLanes;
+  for (int64_t t = begin; t < end; ++t) {
+    const float* g = gu + t * gu_row;
+    const float* u = g + I;
+    float* o = out + t * I;
+    for (int64_t i = 0; i < Iv; i += kLanes) {
+      const v16 gv = load16(g + i);
+      const v16 e = exp_nonpositive(gv < 0.f ? gv : -gv);
+      const v16 num = gv >= 0.f ? gv : gv * e;
+      const v16 y = (num / (e + 1.f)) * load16(u + i);
+      std::memcpy(o + i, &y, sizeof y);
+    }
+    for (int64_t i = Iv; i < I; ++i) o[i] = (g[i] / (1.f + std::exp(-g[i]))) * u[i];
+  }
+}
+
+#pragma GCC pop_options
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.device().is_cpu() && t.stride(1) == 1,
+              name, " must be a 2-D fp32 CPU tensor with contiguous rows");
+}
+
+}  // namespace
+
+at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& r, const at::Tensor& weight, double eps) {
+  check_rows(x, "add_rms_norm: x");
+  check_rows(r, "add_rms_norm: r");
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(r.size(0) == T && r.size(1) == H, "add_rms_norm: r must have x's shape");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
+              "add_rms_norm: weight must be a contiguous fp32 [H]");
+  at::Tensor out = at::empty({T, H}, x.options());
+  float* px = x.data_ptr<float>();
+  const float* pr = r.data_ptr<float>();
+  const float* pw = weight.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  const int64_t xs = x.stride(0), rs = r.stride(0);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    add_rms_norm_rows(px, pr, pw, po, begin, end, H, xs, rs, static_cast<float>(eps));
+  });
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "silu_mul: gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: gate_up must have an even number of columns");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({T, I}, gate_up.options());
+  const float* pg = gate_up.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  const int64_t gs = gate_up.stride(0);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) { silu_mul_rows(pg, po, begin, end, I, gs); });
+  return out;
+}
