@@ -94,8 +94,7 @@ LORAPLEX_CLONES void decode(const Args<T>& a, int64_t row, int64_t seq, int64_t 
   }
   const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const int64_t* table = a.tables + seq * a.table_stride;
-  // this item's kv heads g0 .. g0 + ng - 1 of a slot (the heads of a slot lie side by side)
-  const int64_t heads_bytes = ((ng - 1) * a.kv_head + a.D) * static_cast<int64_t>(sizeof(T));
+  const int64_t row_bytes = a.D * static_cast<int64_t>(sizeof(T));  // one kv head's row of a slot
   const T* krow[kLanes];
   const T* vrow[kLanes];
   for (int64_t start = 0; start < ctx; start += kLanes) {
@@ -105,21 +104,30 @@ LORAPLEX_CLONES void decode(const Args<T>& a, int64_t row, int64_t seq, int64_t 
       krow[j] = a.k + slot * a.slot_stride;
       vrow[j] = a.v + slot * a.slot_stride;
     }
-    // The next chunk's rows (this item's heads of them), while this one is used: blocks are scattered, and the hardware's prefetcher
-    // stops at page ends.
-    for (int64_t pos = start + kLanes; pos < std::min(start + 2 * kLanes, ctx); ++pos) {
-      const int64_t slot = table[pos / bs] * bs + pos % bs;
-      const char* kn = reinterpret_cast<const char*>(a.k + slot * a.slot_stride + g0 * a.kv_head);
-      const char* vn = reinterpret_cast<const char*>(a.v + slot * a.slot_stride + g0 * a.kv_head);
-      for (int64_t off = 0; off < heads_bytes; off += 64) {
-        __builtin_prefetch(kn + off);
-        __builtin_prefetch(vn + off);
-      }
+    // The next chunk's slots, prefetched while this one is used (blocks are scattered, and the hardware's
+    // prefetcher stops at page ends): each kv head's row of key j as that head reads key j here, so the
+    // requests are spread over the chunk's work, and into L2 (locality 1). Asking for all of a chunk's
+    // rows at once into L1, as this loop did before, held the core up at the miss buffers: 64 decodes of
+    // 64-288 tokens, 30 layers cold, 84 -> 49 ms (docs/performance.md).
+    const int64_t npf = std::max<int64_t>(0, std::min<int64_t>(kLanes, ctx - start - kLanes));
+    const char* kpf[kLanes];
+    const char* vpf[kLanes];
+    for (int64_t j = 0; j < npf; ++j) {
+      const int64_t pos = start + kLanes + j, slot = table[pos / bs] * bs + pos % bs;
+      kpf[j] = reinterpret_cast<const char*>(a.k + slot * a.slot_stride);
+      vpf[j] = reinterpret_cast<const char*>(a.v + slot * a.slot_stride);
     }
     for (int64_t gi = 0; gi < ng; ++gi) {
       const int64_t head = (g0 + gi) * a.kv_head;
       const v16* qg = qf + gi * G * ND;
+      const int64_t head_bytes = head * static_cast<int64_t>(sizeof(T));
       for (int64_t j = 0; j < nk; ++j) {
+        if (j < npf) {
+          for (int64_t off = head_bytes; off < head_bytes + row_bytes; off += 64) {
+            __builtin_prefetch(kpf[j] + off, 0, 1);
+            __builtin_prefetch(vpf[j] + off, 0, 1);
+          }
+        }
         v16 kj[ND];
         for (int c = 0; c < ND; ++c) kj[c] = load16(krow[j] + head + c * kLanes);
         for (int64_t m = 0; m < G; ++m) {
