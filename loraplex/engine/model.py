@@ -44,10 +44,11 @@ class RMSNorm(nn.Module):
         """x += r in place (x is the residual stream), then this norm of x: x, r [T, H] -> [T, H].
 
         fp32 on a CPU takes the compiled kernel (`kernels/csrc/norm_act_cpu.cpp`), the add and the norm in
-        one pass over each row, where PyTorch runs seven ops; its sum of squares runs in another order,
+        one pass over each row, where PyTorch runs the add and six ops of F.rms_norm; its sum of squares runs in another order,
         so it is within a few ulps of HF's form, not always its bits (vLLM's fused_add_rms_norm likewise).
         Elsewhere, or where the kernel is not built (`cpu_ext` logs why), the add and then `forward`."""
-        ext = _fused_ext(x, r) if self.weight.dtype == torch.float32 else None
+        w = self.weight
+        ext = _fused_ext(x, r) if w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous() else None
         if ext is not None:
             return ext.add_rms_norm(x, r, self.weight, self.eps)
         x += r
@@ -103,9 +104,9 @@ FUSED_ELEMENTWISE = True  # residual add + RMSNorm and SiLU x up on the compiled
 
 def _fused_ext(*tensors: torch.Tensor):
     """The compiled CPU module if the fused elementwise kernels take these tensors (2-D fp32 CPU tensors
-    with contiguous rows, FUSED_ELEMENTWISE on, the kernels built), else None."""
+    with contiguous, non-overlapping rows; FUSED_ELEMENTWISE on; the kernels built), else None."""
     if not FUSED_ELEMENTWISE or any(t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2
-                                    or t.stride(-1) != 1 for t in tensors):
+                                    or t.stride(-1) != 1 or t.stride(0) < t.shape[1] for t in tensors):
         return None
     return cpu_ext.load()
 
@@ -223,6 +224,8 @@ class LlamaModel(nn.Module):
                 attn: AttentionMetadata, lora: LoRAMeta | None = None) -> torch.Tensor:
         """input_ids [T], positions [T] -> final hidden states [T, H]."""
         x = self.embed_tokens(input_ids)  # [T, H], the residual stream
+        if not self.layers:
+            return self.norm(x)
         h = self.layers[0].input_layernorm(x)
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, kv_cache, next_norm in zip(self.layers, kv_caches, next_norms, strict=True):

@@ -86,8 +86,12 @@ def test_fused_add_rms_norm_adds_in_place_and_is_within_ulps_of_fp64(rows, hidde
     want_x = x + r
     xd = want_x.double()
     want = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
+    from loraplex.engine import model
+
+    assert model._fused_ext(x, r) is cpu_ext.load()  # the kernel's path, not the fallback
     with torch.inference_mode():
         got = norm.add_norm(x, r)
+        assert torch.equal(got, cpu_ext.load().add_rms_norm(want_x.clone(), torch.zeros_like(r), norm.weight, 1e-5))
     assert torch.equal(x, want_x)  # the residual stream, updated in place
     assert _ulps(got, want) <= 3, _ulps(got, want)
     assert (got - F.rms_norm(want_x, (hidden,), norm.weight, 1e-5)).abs().max() <= 4e-6 * want.abs().max()
@@ -120,6 +124,11 @@ def test_fused_silu_mul_is_within_ulps_of_fp64_and_keeps_nan_and_extremes(rows, 
 def test_the_model_takes_the_fused_ops_only_for_fp32_rows():
     from loraplex.engine import model
 
+    if cpu_ext.load() is None:
+        pytest.fail("the CPU kernels must build here (CI has a compiler)")
     assert model._fused_ext(torch.randn(4, 8)) is cpu_ext.load()
     assert model._fused_ext(torch.randn(4, 8), torch.randn(4, 8, dtype=torch.bfloat16)) is None
     assert model._fused_ext(torch.randn(8, 4).t()) is None  # columns not contiguous
+    assert model._fused_ext(torch.randn(1, 8).expand(4, 8)) is None  # rows overlap: no in-place write there
+    with pytest.raises(RuntimeError, match="must not overlap"):
+        cpu_ext.load().add_rms_norm(torch.randn(1, 8).expand(4, 8), torch.randn(4, 8), torch.ones(8), 1e-5)

@@ -5,12 +5,13 @@
 //                 out [T, H] = x / sqrt(mean(x^2) + eps) * w [H]            (HF's LlamaRMSNorm, fp32)
 //   silu_mul:     out [T, I] = silu(gu[:, :I]) * gu[:, I:2I], silu(g) = g / (1 + exp(-g))
 //
-// PyTorch runs the first as an add, then pow, mean, add, rsqrt and two multiplies (a pass and a buffer
-// each), the second as silu then mul; at the decode batches of the default model (64 rows of 576 or 1,536
-// floats) each op's fixed cost is most of its time. Each product and quotient is rounded on its own as in
-// PyTorch's ops (no fused multiply-add: fp-contract=off); what can differ is the order in which the
-// squares are summed (16 partial sums here) and exp (Cephes' expf, within 1 ulp, where PyTorch takes
-// Sleef's), so results are within a few ulps of PyTorch's, not always its bits (tested against fp64).
+// PyTorch runs the first as an add and F.rms_norm, which this build decomposes into pow, mean, add, rsqrt
+// and two multiplies (a pass and a buffer each), the second as silu then mul; at the decode batches of the
+// default model (64 rows of 576 or 1,536 floats) each op's fixed cost is most of its time. Each product
+// and quotient is rounded on its own as in PyTorch's ops (no fused multiply-add: fp-contract=off, which
+// GCC, the compiler scripts/install finds, honours); what can differ is the order in which the squares
+// are summed (16 partial sums here) and exp (Cephes' expf, within 1 ulp, where PyTorch takes Sleef's),
+// so results are within a few ulps of PyTorch's, not always its bits (tested against fp64).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -59,7 +60,8 @@ LORAPLEX_CLONES void add_rms_norm_rows(float* x, const float* r, const float* w,
 
 // silu(g) from e = exp(-|g|) <= 1 (exp of a non-positive number, never overflowing): g / (1 + e) for
 // g >= 0, PyTorch's own expression there; (g x e) / (1 + e) below, where PyTorch's exp(-g) can overflow
-// to inf (its quotient is then -0, as here). NaN stays NaN.
+// to inf (its quotient is then -0). exp_nonpositive flushes below -87.3, so g < -87.3 gives -0 here where
+// PyTorch gives down to about -1e-36 (an absolute difference under 1e-35). NaN stays NaN.
 LORAPLEX_CLONES void silu_mul_rows(const float* gu, float* out, int64_t begin, int64_t end, int64_t I,
                                    int64_t gu_row) {
   const int64_t Iv = I / kLanes * kLanes;
@@ -92,8 +94,10 @@ at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& r, const at::Tensor& wei
   check_rows(r, "add_rms_norm: r");
   const int64_t T = x.size(0), H = x.size(1);
   TORCH_CHECK(r.size(0) == T && r.size(1) == H, "add_rms_norm: r must have x's shape");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
-              "add_rms_norm: weight must be a contiguous fp32 [H]");
+  TORCH_CHECK(T <= 1 || x.stride(0) >= H, "add_rms_norm: x is written in place, so its rows must not overlap");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H && weight.is_contiguous() &&
+                  weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
+              "add_rms_norm: weight must be a contiguous fp32 CPU [H]");
   at::Tensor out = at::empty({T, H}, x.options());
   float* px = x.data_ptr<float>();
   const float* pr = r.data_ptr<float>();

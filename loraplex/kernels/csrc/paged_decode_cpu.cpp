@@ -9,7 +9,7 @@
 //   softmax: the online softmax of Milakov & Gimelshein (2018) on that vector, all in vectors: the
 //           running max by a butterfly over the lanes, the running sum kept by lane (added up once at
 //           the end), the accumulator rescaled once per chunk, exp as a vector;
-//   P V:     the accumulators [D] of several query heads (8 vectors in all with AVX-512) held in
+//   P V:     the accumulators [D] of several query heads (up to 8 vectors in all with AVX-512) held in
 //           registers while the chunk's 16 V rows are added into them, each V row loaded once for them.
 // Each K and V row is read once per chunk for all G query heads of its kv head, in place from the cache
 // (bf16 rows are widened as they are loaded). Sums run in another order than the general loop's, so the
