@@ -44,9 +44,10 @@ class RMSNorm(nn.Module):
         """x += r in place (x is the residual stream), then this norm of x: x, r [T, H] -> [T, H].
 
         fp32 on a CPU takes the compiled kernel (`kernels/csrc/norm_act_cpu.cpp`), the add and the norm in
-        one pass over each row, where PyTorch runs the add and six ops of F.rms_norm; its sum of squares runs in another order,
-        so it is within a few ulps of HF's form, not always its bits (vLLM's fused_add_rms_norm likewise).
-        Elsewhere, or where the kernel is not built (`cpu_ext` logs why), the add and then `forward`."""
+        one pass over each row, where PyTorch runs the add and six ops of F.rms_norm; its sum of squares
+        runs in another order, so it is within a few ulps of HF's form, not always its bits (vLLM's
+        fused_add_rms_norm likewise). Elsewhere, or where the kernel is not built (`cpu_ext` logs why), the
+        add and then `forward`."""
         w = self.weight
         ext = _fused_ext(x, r) if w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous() else None
         if ext is not None:
