@@ -24,6 +24,7 @@ namespace {
 
 using loraplex_attention::vec::exp_nonpositive;
 using loraplex_attention::vec::kLanes;
+using loraplex_attention::vec::lane_sum;
 using loraplex_attention::vec::load16;
 using loraplex_attention::vec::v16;
 
@@ -43,8 +44,7 @@ LORAPLEX_CLONES void add_rms_norm_rows(float* x, const float* r, const float* w,
       std::memcpy(xt + i, &v, sizeof v);
       acc += v * v;
     }
-    float ss = 0.f;
-    for (int j = 0; j < kLanes; ++j) ss += acc[j];
+    float ss = lane_sum(acc);
     for (int64_t i = Hv; i < H; ++i) {
       xt[i] += rt[i];
       ss += xt[i] * xt[i];

@@ -67,6 +67,13 @@ LORAPLEX_INLINE v16 all_max(v16 v) {
   return v > t ? v : t;
 }
 
+// The sum of v's 16 lanes, added in lane order: the loops keep running sums by lane and add them up once.
+LORAPLEX_INLINE float lane_sum(v16 v) {
+  float total = 0.f;
+  for (int j = 0; j < kLanes; ++j) total += v[j];
+  return total;
+}
+
 // Calls f(std::integral_constant<int, ND>{}) with ND = D / 16, the head dim in vectors, as a compile-time
 // constant, so that each loop keeps its accumulators [ND] in registers. D / 16 must be 1, 2, 4, 8 or 16
 // (decode_supported); any other D raises (the caller sends such tiles to `attend`, so it is a bug).
