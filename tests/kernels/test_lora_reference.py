@@ -96,18 +96,24 @@ def test_dispatch_auto_and_forced(monkeypatch):
 def test_auto_picks_the_cpu_path_measured_fastest(monkeypatch, dtype, num_tokens, num_adapters, mirrors, kernel,
                                                   expected):
     monkeypatch.setattr(lora_ops, "_backend", "auto")
-    meta = build_lora_meta([t % num_adapters for t in range(num_tokens)], DEVICE, slot_ranks=[8] * 64)
-    w = LoRAWeights.empty(64, 8, 8, 8, dtype, DEVICE)
-    if DEVICE == "cuda":  # the choice among CPU paths does not arise: every CUDA batch takes Triton's kernels
-        assert lora_ops._pick_backend(torch.zeros(num_tokens, 8, dtype=dtype, device=DEVICE), meta, [w]) == "triton"
-        return
     monkeypatch.setattr(lora_ops.cpu_ext, "get", (lambda: cpu_ext.load()) if kernel else (lambda: None))
     if dtype == torch.float32 and kernel and cpu_ext.load() is None:
         pytest.fail("the CPU kernels must build here (CI has a compiler)")
+    # a CPU step on every machine: the choice among CPU paths is made for CPU tensors only
+    meta = build_lora_meta([t % num_adapters for t in range(num_tokens)], "cpu", slot_ranks=[8] * 64)
+    w = LoRAWeights.empty(64, 8, 8, 8, dtype, "cpu")
     if not mirrors:
         w.AT = w.BT = None
     x = torch.zeros(num_tokens, 8, dtype=dtype)
     assert lora_ops._pick_backend(x, meta, [w]) == expected
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="a CUDA step: needs a GPU")
+def test_auto_picks_triton_on_cuda(monkeypatch):
+    monkeypatch.setattr(lora_ops, "_backend", "auto")
+    meta = build_lora_meta([t % 8 for t in range(64)], DEVICE, slot_ranks=[8] * 64)
+    w = LoRAWeights.empty(64, 8, 8, 8, torch.bfloat16, DEVICE)
+    assert lora_ops._pick_backend(torch.zeros(64, 8, dtype=torch.bfloat16, device=DEVICE), meta, [w]) == "triton"
 
 
 def test_bgmv_sends_long_segments_through_dense_matmuls(monkeypatch):
