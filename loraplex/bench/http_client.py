@@ -235,14 +235,18 @@ async def _bench(
 ) -> tuple[list[RequestRecord], RunStats]:
     import openai
 
+    # The SDK's HTTP client is its own (httpx2 in openai 3.x), which refuses httpx's Timeout and Limits
+    # (httpx2 2.17): build them from the classes of the SDK's own defaults
+    timeout = type(openai.DEFAULT_TIMEOUT)(REQUEST_TIMEOUT.read, connect=REQUEST_TIMEOUT.connect)
+    limits = type(openai.DEFAULT_CONNECTION_LIMITS)
     clients = {}
     for tenant, key in keys.items():
         n = sum(r.tenant == tenant for r in workload.requests) + 8  # every request in flight at once
         http = openai.DefaultAsyncHttpxClient(
-            limits=httpx.Limits(max_connections=n, max_keepalive_connections=n), **LOCAL
+            limits=limits(max_connections=n, max_keepalive_connections=n), timeout=timeout, trust_env=False
         )
         clients[tenant] = openai.AsyncOpenAI(
-            base_url=url + "/v1", api_key=key, max_retries=0, timeout=REQUEST_TIMEOUT, http_client=http
+            base_url=url + "/v1", api_key=key, max_retries=0, timeout=timeout, http_client=http
         )
     try:
         one_each = {(r.tenant, r.adapter): r for r in workload.requests}  # per tenant and model
