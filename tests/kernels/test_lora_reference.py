@@ -31,9 +31,13 @@ PATHS = {"segmented": add_lora_segmented, "packed": add_lora_packed, "bgmv": _bg
          "dense_segments": add_lora_dense_segments}
 
 
+BGMV_IS_CPU = "bgmv is the CPU path: it reads the slot buffers' host-memory mirrors"
+bgmv_test = pytest.mark.skipif(DEVICE == "cuda", reason=BGMV_IS_CPU)
+
+
 def _run(path, case):
     if path.startswith("bgmv") and DEVICE == "cuda":
-        pytest.skip("bgmv is the CPU path: it reads the slot buffers' host-memory mirrors")
+        pytest.skip(BGMV_IS_CPU)
     y_before = case.y.clone()
     out = PATHS[path](case.y, case.x, case.slices, case.meta, case.offsets)
     assert_matches(out, case, y_before)
@@ -116,11 +120,10 @@ def test_auto_picks_triton_on_cuda(monkeypatch):
     assert lora_ops._pick_backend(torch.zeros(64, 8, dtype=torch.bfloat16, device=DEVICE), meta, [w]) == "triton"
 
 
+@bgmv_test
 def test_bgmv_sends_long_segments_through_dense_matmuls(monkeypatch):
     """A long prefill chunk among many short segments: the chunk's rows take a dense matmul pair, the
     others go through bgmv, and the sum matches the dense truth."""
-    if DEVICE == "cuda":
-        pytest.skip("bgmv is the CPU path: it reads the slot buffers' host-memory mirrors")
     slot_ids = [0] * 40 + list(range(1, 17)) * 2  # one 40-row segment, 16 two-row segments
     case = make_case(len(slot_ids), "uniform", 16, torch.float32, 64, [48, 16], "zero", seed=12)
     case.slot_ids[:] = slot_ids
@@ -194,12 +197,11 @@ def test_paged_slots_match_dense(path, dtype, page, popularity):
     _run(path, case)
 
 
+@bgmv_test
 @pytest.mark.parametrize("page", [0, 8])
 def test_bgmv_slices_with_their_own_shrink_mirrors(page):
     """Slices made one by one (`LoRAWeights.empty`, each its own AT) rather than as a fused group: bgmv
     shrinks each through its own mirror (one gather per mirror), not through the first slice's."""
-    if DEVICE == "cuda":
-        pytest.skip("bgmv is the CPU path: it reads the slot buffers' host-memory mirrors")
     case = make_case(29, "zipf", 8, torch.float32, 40, [32, 16, 16], "zero", seed=31, page=page)
     alone = []
     for w in case.slices:
