@@ -24,34 +24,48 @@ namespace {
 
 using loraplex_attention::vec::exp_nonpositive;
 using loraplex_attention::vec::kLanes;
-using loraplex_attention::vec::lane_sum;
-using loraplex_attention::vec::load16;
-using loraplex_attention::vec::v16;
+using loraplex_attention::vec::load;
+using loraplex_attention::vec::VecOf;
+
+// Both loops run on vectors of W lanes: 16 with AVX-512, 8 with AVX2 (paged_vec.h says why); the sum of
+// squares keeps 16 running sums either way (two vectors of 8 with AVX2), added in the same order, so
+// both give the same bits.
+bool wide() {
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  return avx512;
+}
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 
+template <int W>
 LORAPLEX_CLONES void add_rms_norm_rows(float* x, const float* r, const float* w, float* out, int64_t begin,
                                        int64_t end, int64_t H, int64_t x_row, int64_t r_row, float eps) {
+  using V = typename VecOf<W>::f;
+  constexpr int P = kLanes / W;  // vectors per 16 floats
   const int64_t Hv = H / kLanes * kLanes;
   for (int64_t t = begin; t < end; ++t) {
     float* xt = x + t * x_row;
     const float* rt = r + t * r_row;
     float* ot = out + t * H;
-    v16 acc{};
+    V acc[P] = {};
     for (int64_t i = 0; i < Hv; i += kLanes) {
-      const v16 v = load16(xt + i) + load16(rt + i);
-      std::memcpy(xt + i, &v, sizeof v);
-      acc += v * v;
+      for (int k = 0; k < P; ++k) {
+        const V v = load<W>(xt + i + k * W) + load<W>(rt + i + k * W);
+        std::memcpy(xt + i + k * W, &v, sizeof v);
+        acc[k] += v * v;
+      }
     }
-    float ss = lane_sum(acc);
+    float ss = 0.f;
+    for (int k = 0; k < P; ++k)
+      for (int j = 0; j < W; ++j) ss += acc[k][j];
     for (int64_t i = Hv; i < H; ++i) {
       xt[i] += rt[i];
       ss += xt[i] * xt[i];
     }
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);  // torch.rsqrt's 1 / sqrt
-    for (int64_t i = 0; i < Hv; i += kLanes) {
-      const v16 y = (load16(xt + i) * inv) * load16(w + i);
+    for (int64_t i = 0; i < Hv; i += W) {
+      const V y = (load<W>(xt + i) * inv) * load<W>(w + i);
       std::memcpy(ot + i, &y, sizeof y);
     }
     for (int64_t i = Hv; i < H; ++i) ot[i] = (xt[i] * inv) * w[i];
@@ -62,18 +76,20 @@ LORAPLEX_CLONES void add_rms_norm_rows(float* x, const float* r, const float* w,
 // g >= 0, PyTorch's own expression there; (g x e) / (1 + e) below, where PyTorch's exp(-g) can overflow
 // to inf (its quotient is then -0). exp_nonpositive flushes below -87.3, so g < -87.3 gives -0 here where
 // PyTorch gives down to about -1e-36 (an absolute difference under 1e-35). NaN stays NaN.
+template <int W>
 LORAPLEX_CLONES void silu_mul_rows(const float* gu, float* out, int64_t begin, int64_t end, int64_t I,
                                    int64_t gu_row) {
-  const int64_t Iv = I / kLanes * kLanes;
+  using V = typename VecOf<W>::f;
+  const int64_t Iv = I / kLanes * kLanes;  // the same tail as with 16 lanes
   for (int64_t t = begin; t < end; ++t) {
     const float* g = gu + t * gu_row;
     const float* u = g + I;
     float* o = out + t * I;
-    for (int64_t i = 0; i < Iv; i += kLanes) {
-      const v16 gv = load16(g + i);
-      const v16 e = exp_nonpositive(gv < 0.f ? gv : -gv);
-      const v16 num = gv >= 0.f ? gv : gv * e;
-      const v16 y = (num / (e + 1.f)) * load16(u + i);
+    for (int64_t i = 0; i < Iv; i += W) {
+      const V gv = load<W>(g + i);
+      const V e = exp_nonpositive(gv < 0.f ? gv : -gv);
+      const V num = gv >= 0.f ? gv : gv * e;
+      const V y = (num / (e + 1.f)) * load<W>(u + i);
       std::memcpy(o + i, &y, sizeof y);
     }
     for (int64_t i = Iv; i < I; ++i) o[i] = (g[i] / (1.f + std::exp(-g[i]))) * u[i];
@@ -105,7 +121,8 @@ at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& r, const at::Tensor& wei
   float* po = out.data_ptr<float>();
   const int64_t xs = x.stride(0), rs = r.stride(0);
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    add_rms_norm_rows(px, pr, pw, po, begin, end, H, xs, rs, static_cast<float>(eps));
+    if (wide()) add_rms_norm_rows<16>(px, pr, pw, po, begin, end, H, xs, rs, static_cast<float>(eps));
+    else add_rms_norm_rows<8>(px, pr, pw, po, begin, end, H, xs, rs, static_cast<float>(eps));
   });
   return out;
 }
@@ -118,6 +135,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const float* pg = gate_up.data_ptr<float>();
   float* po = out.data_ptr<float>();
   const int64_t gs = gate_up.stride(0);
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) { silu_mul_rows(pg, po, begin, end, I, gs); });
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    if (wide()) silu_mul_rows<16>(pg, po, begin, end, I, gs);
+    else silu_mul_rows<8>(pg, po, begin, end, I, gs);
+  });
   return out;
 }

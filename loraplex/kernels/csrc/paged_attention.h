@@ -9,8 +9,13 @@
 #include <cstdint>
 
 // The loops' hot functions are compiled for AVX-512, AVX2+FMA and plain x86-64, picked at load time.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define LORAPLEX_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
+// In target_clones a comma separates clones, so "avx2,fma" made two, AVX2 without FMA and FMA without
+// AVX2, and an AVX2 CPU ran the first; GCC 12's "arch=x86-64-v3" is one clone with both (and F16C),
+// tried after "avx512f".
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#define LORAPLEX_CLONES __attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))
+#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define LORAPLEX_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define LORAPLEX_CLONES
 #endif

@@ -1,11 +1,11 @@
 // The decode loop of the paged attention (one query row per request; see paged_attention_cpu.cpp for
 // the semantics, the letters and the general loop it replaces for such rows), written for the CPU's
-// vectors: 16 keys at a time, fp32 lanes.
+// vectors: W keys at a time (W = 16 fp32 lanes with AVX-512, 8 with AVX2; paged_vec.h).
 //
-// For each chunk of 16 keys of a request and each kv head, every one of its G query heads takes
-//   scores: 16 dot products q . k_j, each summed over D as one vector of 16 partial sums, then the
-//           16 vectors reduced to one vector of 16 scores by a transpose-and-add tree (30 two-vector
-//           shuffles and 15 adds, where a horizontal sum per key took 4-5 dependent steps each);
+// For each chunk of W keys of a request and each kv head, every one of its G query heads takes
+//   scores: W dot products q . k_j, each summed over D as one vector of W partial sums, then the
+//           W vectors reduced to one vector of W scores by a transpose-and-add tree (30 two-vector
+//           shuffles and 15 adds at W = 16, where a horizontal sum per key took 4-5 dependent steps);
 //   softmax: the online softmax of Milakov & Gimelshein (2018) on that vector, all in vectors: the
 //           running max by a butterfly over the lanes, the running sum kept by lane (added up once at
 //           the end), the accumulator rescaled once per chunk, exp as a vector;
@@ -15,8 +15,7 @@
 // (bf16 rows are widened as they are loaded). Sums run in another order than the general loop's, so the
 // two differ in the last bits (both within fp32 rounding of fp64 attention, tested).
 //
-// The vectors are GCC's vector extensions of 16 floats, so the compiler maps them to one AVX-512
-// register, two AVX2 ones or four SSE ones, in the clone it builds for each (target_clones).
+// The vectors are GCC's vector extensions, one register each in the clone that runs them.
 #include "paged_attention.h"
 #include "paged_vec.h"
 
@@ -30,8 +29,8 @@ namespace {
 
 using namespace vec;
 
-// out[j] = the sum of t[j]'s 16 lanes, j < 16: four levels, each adding pairs of vectors after a shuffle
-// that halves the lanes per key (8, 4, 2, 1 partial sums of each key), keys kept in order.
+// out[j] = the sum of t[j]'s W lanes, j < W: log2(W) levels, each adding pairs of vectors after a
+// shuffle that halves the lanes per key (8, 4, 2, 1 partial sums of each key at W = 16), keys in order.
 LORAPLEX_INLINE v16 transpose_sum(const v16* t) {
   v16 a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)
@@ -47,18 +46,34 @@ LORAPLEX_INLINE v16 transpose_sum(const v16* t) {
          LORAPLEX_SHUFFLE(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+// W = 8: three levels (vperm2f128, then vshufps twice with AVX2). They return their inputs in the order
+// 0, 2, 4, 6, 1, 3, 5, 7, so the keys go in as 0, 4, 1, 5, 2, 6, 3, 7 and come out in order.
+LORAPLEX_INLINE v8 transpose_sum(const v8* t) {
+  const v8 x[8] = {t[0], t[4], t[1], t[5], t[2], t[6], t[3], t[7]};
+  v8 a[4], b[2];
+  for (int i = 0; i < 4; ++i)
+    a[i] = LORAPLEX_SHUFFLE8(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           LORAPLEX_SHUFFLE8(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    b[i] = LORAPLEX_SHUFFLE8(a[2 * i], a[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           LORAPLEX_SHUFFLE8(a[2 * i], a[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return LORAPLEX_SHUFFLE8(b[0], b[1], 0, 2, 8, 10, 4, 6, 12, 14) +
+         LORAPLEX_SHUFFLE8(b[0], b[1], 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
 // acc [B, ND] <- acc x corr + the sum over the chunk's keys j < nk of p[., j] x V_j, for B query heads of
 // one kv head: their B x ND accumulators stay in registers and each V row is loaded once for all B.
 // corr [B] and p [B] vectors (p lane j: key j's probability).
-template <typename T, int ND, int B>
-LORAPLEX_INLINE void add_pv(v16* acc, const v16* p, const v16* corr, const T* const* vrow, int64_t head,
+template <typename T, int ND, int B, typename V>
+LORAPLEX_INLINE void add_pv(V* acc, const V* p, const V* corr, const T* const* vrow, int64_t head,
                             int64_t nk) {
-  v16 o[B][ND];
+  constexpr int W = lanes_of<V>();
+  V o[B][ND];
   for (int b = 0; b < B; ++b)
     for (int c = 0; c < ND; ++c) o[b][c] = acc[b * ND + c] * corr[b];
   for (int64_t j = 0; j < nk; ++j) {
-    v16 vj[ND];
-    for (int c = 0; c < ND; ++c) vj[c] = load16(vrow[j] + head + c * kLanes);
+    V vj[ND];
+    for (int c = 0; c < ND; ++c) vj[c] = load<W>(vrow[j] + head + c * W);
     for (int b = 0; b < B; ++b) {
       const float pj = reinterpret_cast<const float*>(p + b)[j];
       for (int c = 0; c < ND; ++c) o[b][c] += pj * vj[c];
@@ -68,37 +83,39 @@ LORAPLEX_INLINE void add_pv(v16* acc, const v16* p, const v16* corr, const T* co
     for (int c = 0; c < ND; ++c) acc[b * ND + c] = o[b][c];
 }
 
-// scratch (64-byte aligned), in vectors: qf [H, ND], acc [H, ND], dots [G, 16], p [G], mx [H] (the running
-// max in every lane), sum [H] (running sums by lane, added up at the end), corr [G]; H = ng x G query
-// heads of the item. PV query heads at a time go through add_pv.
-template <typename T, int ND, int PV>
+// scratch (64-byte aligned), in vectors of W lanes: qf [H, ND], acc [H, ND], dots [G, W], p [G], mx [H]
+// (the running max in every lane), sum [H] (running sums by lane, added up at the end), corr [G]; H =
+// ng x G query heads of the item. PV query heads at a time go through add_pv.
+template <typename T, int ND, int PV, int W>
 LORAPLEX_CLONES void decode(const Args<T>& a, int64_t row, int64_t seq, int64_t ctx, int64_t g0, int64_t ng,
                             float* scratch) {
+  using V = typename VecOf<W>::f;
+  using VI = typename VecOf<W>::i;
   const int64_t G = a.G, H = ng * G, bs = a.bs;
-  v16* qf = reinterpret_cast<v16*>(scratch);
-  v16* acc = qf + H * ND;
-  v16* dots = acc + H * ND;
-  v16* p = dots + G * kLanes;
-  v16* mx = p + G;
-  v16* sum = mx + H;
-  v16* corr = sum + H;
-  const v16 neg_inf = splat(-std::numeric_limits<float>::infinity());
+  V* qf = reinterpret_cast<V*>(scratch);
+  V* acc = qf + H * ND;
+  V* dots = acc + H * ND;
+  V* p = dots + G * W;
+  V* mx = p + G;
+  V* sum = mx + H;
+  V* corr = sum + H;
+  const V neg_inf = splat<V>(-std::numeric_limits<float>::infinity());
   for (int64_t h = 0; h < H; ++h) {
     const T* qr = a.q + row * a.q_row + (g0 * G + h) * a.q_head;
     for (int c = 0; c < ND; ++c) {
-      qf[h * ND + c] = load16(qr + c * kLanes) * a.scale;
-      acc[h * ND + c] = v16{};
+      qf[h * ND + c] = load<W>(qr + c * W) * a.scale;
+      acc[h * ND + c] = V{};
     }
     mx[h] = neg_inf;
-    sum[h] = v16{};
+    sum[h] = V{};
   }
-  const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const VI lane = lane_index<W>();
   const int64_t* table = a.tables + seq * a.table_stride;
   const int64_t row_bytes = a.D * static_cast<int64_t>(sizeof(T));  // one kv head's row of a slot
-  const T* krow[kLanes];
-  const T* vrow[kLanes];
-  for (int64_t start = 0; start < ctx; start += kLanes) {
-    const int64_t nk = std::min<int64_t>(kLanes, ctx - start);
+  const T* krow[W];
+  const T* vrow[W];
+  for (int64_t start = 0; start < ctx; start += W) {
+    const int64_t nk = std::min<int64_t>(W, ctx - start);
     for (int64_t j = 0; j < nk; ++j) {
       const int64_t pos = start + j, slot = table[pos / bs] * bs + pos % bs;
       krow[j] = a.k + slot * a.slot_stride;
@@ -109,17 +126,17 @@ LORAPLEX_CLONES void decode(const Args<T>& a, int64_t row, int64_t seq, int64_t 
     // requests are spread over the chunk's work, and into L2 (locality 1). Asking for all of a chunk's
     // rows at once into L1, as this loop did before, held the core up at the miss buffers: 64 decodes of
     // 64-288 tokens, 30 layers cold, 84 -> 49 ms (docs/performance.md).
-    const int64_t npf = std::max<int64_t>(0, std::min<int64_t>(kLanes, ctx - start - kLanes));
-    const char* kpf[kLanes];
-    const char* vpf[kLanes];
+    const int64_t npf = std::max<int64_t>(0, std::min<int64_t>(W, ctx - start - W));
+    const char* kpf[W];
+    const char* vpf[W];
     for (int64_t j = 0; j < npf; ++j) {
-      const int64_t pos = start + kLanes + j, slot = table[pos / bs] * bs + pos % bs;
+      const int64_t pos = start + W + j, slot = table[pos / bs] * bs + pos % bs;
       kpf[j] = reinterpret_cast<const char*>(a.k + slot * a.slot_stride);
       vpf[j] = reinterpret_cast<const char*>(a.v + slot * a.slot_stride);
     }
     for (int64_t gi = 0; gi < ng; ++gi) {
       const int64_t head = (g0 + gi) * a.kv_head;
-      const v16* qg = qf + gi * G * ND;
+      const V* qg = qf + gi * G * ND;
       const int64_t head_bytes = head * static_cast<int64_t>(sizeof(T));
       for (int64_t j = 0; j < nk; ++j) {
         if (j < npf) {
@@ -128,56 +145,62 @@ LORAPLEX_CLONES void decode(const Args<T>& a, int64_t row, int64_t seq, int64_t 
             __builtin_prefetch(vpf[j] + off, 0, 1);
           }
         }
-        v16 kj[ND];
-        for (int c = 0; c < ND; ++c) kj[c] = load16(krow[j] + head + c * kLanes);
+        V kj[ND];
+        for (int c = 0; c < ND; ++c) kj[c] = load<W>(krow[j] + head + c * W);
         for (int64_t m = 0; m < G; ++m) {
-          v16 s = qg[m * ND] * kj[0];
+          V s = qg[m * ND] * kj[0];
           for (int c = 1; c < ND; ++c) s += qg[m * ND + c] * kj[c];
-          dots[m * kLanes + j] = s;
+          dots[m * W + j] = s;
         }
       }
-      // the online softmax on vectors, with no scalar chain over the 16 lanes: the max by a butterfly,
+      // the online softmax on vectors, with no scalar chain over the W lanes: the max by a butterfly,
       // the sums kept by lane
       for (int64_t m = 0; m < G; ++m) {
-        for (int64_t j = nk; j < kLanes; ++j) dots[m * kLanes + j] = v16{};
+        for (int64_t j = nk; j < W; ++j) dots[m * W + j] = V{};
         const int64_t qi = gi * G + m;
-        const v16 s = lane < static_cast<int32_t>(nk) ? transpose_sum(dots + m * kLanes) : neg_inf;
-        const v16 best = all_max(mx[qi] > s ? mx[qi] : s);  // the running max, in every lane
+        const V s = lane < static_cast<int32_t>(nk) ? transpose_sum(dots + m * W) : neg_inf;
+        const V best = all_max(mx[qi] > s ? mx[qi] : s);  // the running max, in every lane
         corr[m] = exp_nonpositive(mx[qi] - best);            // exp(-inf) = 0 on the first chunk
         p[m] = exp_nonpositive(s - best);
         mx[qi] = best;
         sum[qi] = sum[qi] * corr[m] + p[m];
       }
-      v16* am = acc + gi * G * ND;
+      V* am = acc + gi * G * ND;
       int64_t m = 0;
-      for (; m + PV <= G; m += PV) add_pv<T, ND, PV>(am + m * ND, p + m, corr + m, vrow, head, nk);
-      for (; m < G; ++m) add_pv<T, ND, 1>(am + m * ND, p + m, corr + m, vrow, head, nk);
+      for (; m + PV <= G; m += PV) add_pv<T, ND, PV, V>(am + m * ND, p + m, corr + m, vrow, head, nk);
+      for (; m < G; ++m) add_pv<T, ND, 1, V>(am + m * ND, p + m, corr + m, vrow, head, nk);
     }
   }
   for (int64_t h = 0; h < H; ++h) {
     T* o = a.out + row * a.q_row + (g0 * G + h) * a.q_head;
     const float inv = 1.f / lane_sum(sum[h]);
     const float* am = reinterpret_cast<const float*>(acc + h * ND);
-    for (int64_t d = 0; d < ND * kLanes; ++d) o[d] = T(am[d] * inv);
+    for (int64_t d = 0; d < ND * W; ++d) o[d] = T(am[d] * inv);
   }
 }
 
-// Query heads per P V block: enough independent accumulators (PV x ND vectors) to keep both FMA pipes
-// busy through their latency, few enough to stay in registers: 8 vectors with AVX-512's 32 registers;
-// with AVX2's 16, where a vector of 16 floats takes two, 4 (one head at D = 64, as before blocks).
+// Query heads per P V block: enough independent accumulators (PV x ND vectors, one register each) to
+// keep both FMA pipes busy through their latency, few enough to stay in registers with the V row's ND:
+// 8, at most 4 heads (one head at D = 64 with AVX2's 8 lanes, 2 with AVX-512's 16).
 template <int ND>
-constexpr int pv_heads(bool wide) {
-  return wide ? (ND >= 8 ? 1 : 8 / ND > 4 ? 4 : 8 / ND) : (ND >= 4 ? 1 : 4 / ND);
+constexpr int pv_heads() {
+  return ND >= 8 ? 1 : 8 / ND > 4 ? 4 : 8 / ND;
 }
 
 template <typename T>
 void dispatch(const Args<T>& a, int64_t row, int64_t seq, int64_t ctx, int64_t g0, int64_t ng, float* scratch) {
-  static const bool wide = __builtin_cpu_supports("avx512f");
-  with_nd(a.D, [&](auto nd) {
-    constexpr int ND = decltype(nd)::value;
-    if (wide) decode<T, ND, pv_heads<ND>(true)>(a, row, seq, ctx, g0, ng, scratch);
-    else decode<T, ND, pv_heads<ND>(false)>(a, row, seq, ctx, g0, ng, scratch);
-  });
+  static const bool wide = __builtin_cpu_supports("avx512f");  // else 8 lanes (paged_vec.h)
+  if (wide) {
+    with_nd<16>(a.D, [&](auto nd) {
+      constexpr int ND = decltype(nd)::value;
+      decode<T, ND, pv_heads<ND>(), 16>(a, row, seq, ctx, g0, ng, scratch);
+    });
+  } else {
+    with_nd<8>(a.D, [&](auto nd) {
+      constexpr int ND = decltype(nd)::value;
+      decode<T, ND, pv_heads<ND>(), 8>(a, row, seq, ctx, g0, ng, scratch);
+    });
+  }
 }
 
 }  // namespace

@@ -1,6 +1,11 @@
-// Vectors of 16 fp32 lanes for the paged attention's vector loops (paged_decode_cpu.cpp, one query
-// row per request; paged_prefill_cpu.cpp, tiles of prefill rows): GCC's vector extensions, which the
-// compiler maps to one AVX-512 register, two AVX2 ones or four SSE ones in each target clone.
+// Vectors of fp32 lanes for the paged attention's vector loops (paged_decode_cpu.cpp, one query row per
+// request; paged_prefill_cpu.cpp, tiles of prefill rows) and the fused elementwise ops: GCC's vector
+// extensions, of W = 16 lanes (one AVX-512 register) or W = 8 (one AVX2 register). The loops take W as
+// a template argument and run W = 16 where the CPU has AVX-512, W = 8 where it has only AVX2: GCC has no
+// register mode for a 16-lane vector without AVX-512, so in the AVX2 clone every v16 lived on the stack
+// and each operation went through memory (scalar stores of a broadcast, then vector loads that cannot be
+// forwarded from them): the 64-row decode of the vllm preset, 30 layers, took 284 ms there
+// (docs/performance.md has the figures with W = 8).
 #pragma once
 
 #include "paged_attention.h"
@@ -14,10 +19,32 @@
 namespace loraplex_attention {
 namespace vec {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
-typedef uint32_t vu16 __attribute__((vector_size(64)));
-typedef uint16_t vh16 __attribute__((vector_size(32)));
+// The vector types of W lanes: f (fp32), i and u (32-bit integers), h (16-bit, for bf16 rows).
+template <int W>
+struct VecOf;
+template <>
+struct VecOf<16> {
+  typedef float f __attribute__((vector_size(64)));
+  typedef int32_t i __attribute__((vector_size(64)));
+  typedef uint32_t u __attribute__((vector_size(64)));
+  typedef uint16_t h __attribute__((vector_size(32)));
+};
+template <>
+struct VecOf<8> {
+  typedef float f __attribute__((vector_size(32)));
+  typedef int32_t i __attribute__((vector_size(32)));
+  typedef uint32_t u __attribute__((vector_size(32)));
+  typedef uint16_t h __attribute__((vector_size(16)));
+};
+
+// The lanes of the fp32 vector type V.
+template <typename V>
+constexpr int lanes_of() { return static_cast<int>(sizeof(V) / sizeof(float)); }
+
+typedef VecOf<16>::f v16;
+typedef VecOf<16>::i vi16;
+typedef VecOf<8>::f v8;
+typedef VecOf<8>::i vi8;
 
 #define LORAPLEX_INLINE static inline __attribute__((always_inline))
 
@@ -27,35 +54,54 @@ constexpr int kLanes = 16;
 // clang has only __builtin_shufflevector.
 #if defined(__clang__)
 #define LORAPLEX_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#define LORAPLEX_SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
 #define LORAPLEX_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vi16{__VA_ARGS__})
+#define LORAPLEX_SHUFFLE8(a, b, ...) __builtin_shuffle(a, b, vi8{__VA_ARGS__})
 #endif
 
-LORAPLEX_INLINE v16 load16(const float* p) {
-  v16 r;
+template <int W>
+LORAPLEX_INLINE typename VecOf<W>::f load(const float* p) {
+  typename VecOf<W>::f r;
   std::memcpy(&r, p, sizeof r);
   return r;
 }
 
-LORAPLEX_INLINE v16 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
-  vh16 h;
+template <int W>
+LORAPLEX_INLINE typename VecOf<W>::f load(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
+  typename VecOf<W>::h h;
   std::memcpy(&h, p, sizeof h);
-  return reinterpret_cast<v16>(__builtin_convertvector(h, vu16) << 16);
+  return reinterpret_cast<typename VecOf<W>::f>(__builtin_convertvector(h, typename VecOf<W>::u) << 16);
 }
 
-LORAPLEX_INLINE v16 splat(float x) { return v16{} + x; }
+template <typename T>
+LORAPLEX_INLINE v16 load16(const T* p) { return load<16>(p); }
+
+template <typename V = v16>
+LORAPLEX_INLINE V splat(float x) { return V{} + x; }
+
+// [0, 1, ..., W - 1]: each lane's index.
+template <int W>
+LORAPLEX_INLINE typename VecOf<W>::i lane_index() {
+  typename VecOf<W>::i r{};
+  for (int j = 0; j < W; ++j) r[j] = j;
+  return r;
+}
 
 // exp(x) for x <= 0, lane by lane: paged_attention_cpu.cpp's exp_nonpositive (Cephes' expf, within
 // 1 ulp on [-87, 0]; 0 below -87.3 and for -inf; NaN stays NaN) on a vector.
-LORAPLEX_INLINE v16 exp_nonpositive(v16 x) {
-  v16 n;
-  const v16 y = exp_reduced(x, n);
-  const v16 clamped = n >= -126.f ? n : splat(-126.f);  // NaN: -126 (y is NaN then anyway)
-  const v16 scale = reinterpret_cast<v16>((__builtin_convertvector(clamped, vi16) + 127) << 23);
-  return x < -87.3f ? v16{} : y * scale;
+template <typename V>
+LORAPLEX_INLINE V exp_nonpositive(V x) {
+  using I = typename VecOf<lanes_of<V>()>::i;
+  V n;
+  const V y = exp_reduced(x, n);
+  const V clamped = n >= -126.f ? n : splat<V>(-126.f);  // NaN: -126 (y is NaN then anyway)
+  const V scale = reinterpret_cast<V>((__builtin_convertvector(clamped, I) + 127) << 23);
+  return x < -87.3f ? V{} : y * scale;
 }
 
-// Every lane of the result: the max of v's 16 lanes (a butterfly: max with the lanes 8, 4, 2, 1 apart).
+// Every lane of the result: the max of v's W lanes (a butterfly: max with the lanes W / 2, ..., 2, 1
+// apart).
 LORAPLEX_INLINE v16 all_max(v16 v) {
   v16 t = LORAPLEX_SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   v = v > t ? v : t;
@@ -67,24 +113,36 @@ LORAPLEX_INLINE v16 all_max(v16 v) {
   return v > t ? v : t;
 }
 
-// The sum of v's 16 lanes, added in lane order: the loops keep running sums by lane and add them up once.
-LORAPLEX_INLINE float lane_sum(v16 v) {
+LORAPLEX_INLINE v8 all_max(v8 v) {
+  v8 t = LORAPLEX_SHUFFLE8(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v = v > t ? v : t;
+  t = LORAPLEX_SHUFFLE8(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v = v > t ? v : t;
+  t = LORAPLEX_SHUFFLE8(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+  return v > t ? v : t;
+}
+
+// The sum of v's lanes, added in lane order: the loops keep running sums by lane and add them up once.
+template <typename V>
+LORAPLEX_INLINE float lane_sum(V v) {
   float total = 0.f;
-  for (int j = 0; j < kLanes; ++j) total += v[j];
+  for (int j = 0; j < lanes_of<V>(); ++j) total += v[j];
   return total;
 }
 
-// Calls f(std::integral_constant<int, ND>{}) with ND = D / 16, the head dim in vectors, as a compile-time
-// constant, so that each loop keeps its accumulators [ND] in registers. D / 16 must be 1, 2, 4, 8 or 16
-// (decode_supported); any other D raises (the caller sends such tiles to `attend`, so it is a bug).
-template <typename F>
+// Calls f(std::integral_constant<int, ND>{}) with ND = D / W, the head dim in vectors of W lanes, as a
+// compile-time constant, so that each loop keeps its accumulators [ND] in registers. D / 16 must be 1, 2,
+// 4, 8 or 16 (decode_supported); any other D raises (the caller sends such tiles to `attend`, so it is a
+// bug).
+template <int W = kLanes, typename F>
 inline void with_nd(int64_t D, F&& f) {
-  switch (D % kLanes == 0 ? D / kLanes : 0) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 8: return f(std::integral_constant<int, 8>{});
-    case 16: return f(std::integral_constant<int, 16>{});
+  constexpr int k = 16 / W;  // ND for D = 16
+  switch (D % 16 == 0 ? D / W : 0) {
+    case k: return f(std::integral_constant<int, k>{});
+    case 2 * k: return f(std::integral_constant<int, 2 * k>{});
+    case 4 * k: return f(std::integral_constant<int, 4 * k>{});
+    case 8 * k: return f(std::integral_constant<int, 8 * k>{});
+    case 16 * k: return f(std::integral_constant<int, 16 * k>{});
   }
   TORCH_CHECK(false, "paged attention: the vector loops take D / 16 in {1, 2, 4, 8, 16}, got D = ", D);
 }
