@@ -150,10 +150,26 @@ def summarize(system: str, records: list[RequestRecord], stats: RunStats, slo: S
 
 
 def matmul_peak_flops(dtype: torch.dtype, n: int = 2048, seconds: float = 1.0, device: str = "cpu") -> float:
-    """This machine's dense matmul rate in FLOP/s: n x n x n products of `dtype` for about `seconds`."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    torch.mm(a, b)  # warm-up
+    """This machine's dense matmul rate in FLOP/s: square products of `dtype` for about `seconds`.
+
+    The products are n x n x n, or smaller where one of those would take over seconds / 8: the size
+    doubles from 256 (or n, if smaller) while one product takes under that. bf16 on a CPU without bf16
+    instructions runs at about 1 GFLOP/s (an AVX2-only EPYC, PyTorch 2.13), where one 2048-cubed product
+    took 16 s and every `Bench` spent half a minute here."""
+    size = min(n, 256)
+    while True:
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        torch.mm(a, b)  # warm-up
+        if device != "cpu":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        if size >= n or (time.perf_counter() - start) * 8 > seconds:
+            break
+        size = min(n, 2 * size)
     iters, start = 0, time.perf_counter()
     while True:
         torch.mm(a, b)
@@ -162,4 +178,4 @@ def matmul_peak_flops(dtype: torch.dtype, n: int = 2048, seconds: float = 1.0, d
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         if elapsed >= seconds:
-            return 2 * n**3 * iters / elapsed
+            return 2 * size**3 * iters / elapsed

@@ -143,7 +143,7 @@ def write(out: Path, bench, *, command: str, elapsed_s: float) -> None:
              f"- date {datetime.datetime.now().isoformat(timespec='seconds')}, commit `{commit()}`, "
              f"whole run {elapsed_s / 60:.1f} min",
              f"- machine: {machine()}; CPU flags: {cpu_flags()}",
-             "- matmul peak measured in this run (2048 x 2048 x 2048 products): "
+             "- matmul peak measured in this run (2048-cubed products, smaller where one takes over 1/8 s): "
              + ", ".join(f"{str(dt).removeprefix('torch.')} {f / 1e9:.0f} GFLOP/s" for dt, f in bench.peaks.items())
              + f"; MFU = (2 x {bench.flops_per_token / 2e6:.0f}M decoder params x (prompt + output tokens) + "
              f"2 x {bench.flops_per_output_token / 2e6:.0f}M lm_head params x output tokens) / s / the "

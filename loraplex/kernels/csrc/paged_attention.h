@@ -8,12 +8,13 @@
 
 #include <cstdint>
 
-// The loops' hot functions are compiled for AVX-512, AVX2+FMA and plain x86-64, picked at load time.
-// In target_clones a comma separates clones, so "avx2,fma" made two, AVX2 without FMA and FMA without
-// AVX2, and an AVX2 CPU ran the first; GCC 12's "arch=x86-64-v3" is one clone with both (and F16C),
-// tried after "avx512f".
+// The loops' hot functions are compiled for AVX-512, AVX2+FMA (GCC 12 and later; AVX2 alone before),
+// AVX2 and plain x86-64, picked at load time. In target_clones a comma separates clones, so "avx2,fma"
+// made two, AVX2 without FMA and FMA without AVX2, and an AVX2 CPU ran the first; GCC 12's
+// "arch=x86-64-v3" is one clone with both (and F16C, BMI, MOVBE), tried after "avx512f" and before
+// "avx2", which stays for a CPU (or VM) that shows AVX2 but hides one of x86-64-v3's other features.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-#define LORAPLEX_CLONES __attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))
+#define LORAPLEX_CLONES __attribute__((target_clones("avx512f", "arch=x86-64-v3", "avx2", "default")))
 #elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define LORAPLEX_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else

@@ -10,7 +10,7 @@
 //           running max by a butterfly over the lanes, the running sum kept by lane (added up once at
 //           the end), the accumulator rescaled once per chunk, exp as a vector;
 //   P V:     the accumulators [D] of several query heads (up to 8 vectors in all with AVX-512) held in
-//           registers while the chunk's 16 V rows are added into them, each V row loaded once for them.
+//           registers while the chunk's W V rows are added into them, each V row loaded once for them.
 // Each K and V row is read once per chunk for all G query heads of its kv head, in place from the cache
 // (bf16 rows are widened as they are loaded). Sums run in another order than the general loop's, so the
 // two differ in the last bits (both within fp32 rounding of fp64 attention, tested).
@@ -181,7 +181,8 @@ LORAPLEX_CLONES void decode(const Args<T>& a, int64_t row, int64_t seq, int64_t 
 
 // Query heads per P V block: enough independent accumulators (PV x ND vectors, one register each) to
 // keep both FMA pipes busy through their latency, few enough to stay in registers with the V row's ND:
-// 8, at most 4 heads (one head at D = 64 with AVX2's 8 lanes, 2 with AVX-512's 16).
+// 8, at most 4 heads (one head at D = 64 with AVX2's 8 lanes, 2 with AVX-512's 16). With AVX2 at D = 128
+// and up, one head's ND accumulators already exceed the 16 registers and GCC spills some (not timed).
 template <int ND>
 constexpr int pv_heads() {
   return ND >= 8 ? 1 : 8 / ND > 4 ? 4 : 8 / ND;

@@ -36,7 +36,8 @@ using namespace vec;
 constexpr int kScoreQueries = 8;  // queries per score block: 8 accumulators of W lanes
 
 // Queries per P V block: 2 x ND accumulators with AVX-512's 32 registers (4 measured the same), 1 (ND = 8
-// at D = 64) with AVX2's 16.
+// at D = 64) with AVX2's 16. At D = 128 and up with AVX2 even one query's ND accumulators do not fit, and
+// GCC spills some of them (read off the build; not timed: the default model has D = 64).
 template <int W>
 constexpr int pv_queries() { return W == 16 ? 2 : 1; }
 
@@ -64,8 +65,8 @@ LORAPLEX_INLINE void transpose(v16* r) {
 #undef LORAPLEX_SWAP
 }
 
-// The same for W = 8: rows[r] <- column r of the 8 x 8 block rows[0..7], three levels (s = 4, 2, 1:
-// vperm2f128, vshufps and vunpck with AVX2).
+// The same for W = 8: rows[r] <- column r of the 8 x 8 block rows[0..7], three levels (s = 4, 2, 1;
+// GCC makes the last one of vpermilps and vblendps with AVX2). Once per chunk, for all M queries.
 LORAPLEX_INLINE void transpose(v8* r) {
 #define LORAPLEX_SWAP8(s, LO, HI)                                  \
   for (int i = 0; i < 8; ++i) {                                    \

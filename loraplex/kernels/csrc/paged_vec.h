@@ -4,7 +4,7 @@
 // a template argument and run W = 16 where the CPU has AVX-512, W = 8 where it has only AVX2: GCC has no
 // register mode for a 16-lane vector without AVX-512, so in the AVX2 clone every v16 lived on the stack
 // and each operation went through memory (scalar stores of a broadcast, then vector loads that cannot be
-// forwarded from them): the 64-row decode of the vllm preset, 30 layers, took 284 ms there
+// forwarded from them): the 64-row decode of the vllm preset, 30 layers, took 293 ms there
 // (docs/performance.md has the figures with W = 8).
 #pragma once
 
@@ -73,9 +73,6 @@ LORAPLEX_INLINE typename VecOf<W>::f load(const c10::BFloat16* p) {  // bf16 is 
   std::memcpy(&h, p, sizeof h);
   return reinterpret_cast<typename VecOf<W>::f>(__builtin_convertvector(h, typename VecOf<W>::u) << 16);
 }
-
-template <typename T>
-LORAPLEX_INLINE v16 load16(const T* p) { return load<16>(p); }
 
 template <typename V = v16>
 LORAPLEX_INLINE V splat(float x) { return V{} + x; }
