@@ -100,6 +100,9 @@ def row_range(name: str, kind: str, dtype: torch.dtype) -> tuple[int, int]:
 
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+# oneDNN's bf16 linear needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere (an AVX2-only CPU) packing a bf16
+# weight raises "bf16 path needs the cpu support ...", so such weights stay on F.linear, said up front.
+ONEDNN_BF16 = ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def bucket_rows(m: int) -> int:
@@ -152,7 +155,11 @@ def _refusal(name: str, dtype: torch.dtype) -> str | None:
         return None if ext.packed_gemm_available() else "this PyTorch's MKL has no packed GEMM"
     if dtype not in (torch.float32, torch.bfloat16):
         return ""
-    return None if ONEDNN else "this PyTorch has no oneDNN (mkldnn) linear"
+    if not ONEDNN:
+        return "this PyTorch has no oneDNN (mkldnn) linear"
+    if dtype == torch.bfloat16 and not ONEDNN_BF16:
+        return "this CPU has no oneDNN bf16 kernels (they need AVX-512 BW/VL/DQ or AVX-NE-CONVERT)"
+    return None
 
 
 def _pack(name: str, weight: torch.Tensor) -> torch.Tensor:

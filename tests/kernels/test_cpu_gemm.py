@@ -34,6 +34,8 @@ def test_onednn_linear_is_within_the_rounding_bound(dtype, rows, n, k, bias):
     any order, gamma_K x sum |x_i w_i| with gamma_K = K u / (1 - K u), u = 2^-24 (Higham, Accuracy and
     Stability of Numerical Algorithms, 2nd ed., section 3.1), plus half a bf16 ulp of the result for a
     bf16 output. (oneDNN sums K in another order than MKL: measured 1-4x F.linear's largest error here.)"""
+    if dtype == torch.bfloat16 and not cpu_gemm.ONEDNN_BF16:
+        pytest.skip("this CPU has no oneDNN bf16 kernels (test_bf16_is_packed_by_onednn_only checks the refusal)")
     gen = torch.Generator().manual_seed(rows + n)
     lin = _random_linear(n, k, bias, gen)
     lin = lin.to(dtype)
@@ -174,6 +176,11 @@ def test_bf16_is_packed_by_onednn_only():
     assert not hasattr(half, "packed_weight")
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     assert torch.equal(cpu_gemm.linear(half, x), half(x))
+    if not cpu_gemm.ONEDNN_BF16:  # an AVX2-only CPU: refused up front, F.linear stays
+        assert cpu_gemm.pack_linears([(half, "decoder")], memory_bytes=1 << 40, name="onednn") == 0
+        assert not hasattr(half, "packed_weight") and not cpu_gemm.takes_packed(half, x)
+        assert torch.equal(cpu_gemm.linear(half, x), half(x))
+        return
     assert cpu_gemm.pack_linears([(half, "decoder")], memory_bytes=1 << 40, name="onednn") == 64 * 64 * 2
     assert cpu_gemm.takes_packed(half, x) and not cpu_gemm.takes_packed(half, x.float())
 
