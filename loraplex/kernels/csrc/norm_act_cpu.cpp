@@ -26,14 +26,11 @@ using loraplex_attention::vec::exp_nonpositive;
 using loraplex_attention::vec::kLanes;
 using loraplex_attention::vec::load;
 using loraplex_attention::vec::VecOf;
+using loraplex_attention::vec::wide;
 
 // Both loops run on vectors of W lanes: 16 with AVX-512, 8 with AVX2 (paged_vec.h says why); the sum of
 // squares keeps 16 running sums either way (two vectors of 8 with AVX2), added in the same order, so
 // both give the same bits.
-bool wide() {
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
-  return avx512;
-}
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")

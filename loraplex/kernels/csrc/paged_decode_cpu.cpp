@@ -190,18 +190,10 @@ constexpr int pv_heads() {
 
 template <typename T>
 void dispatch(const Args<T>& a, int64_t row, int64_t seq, int64_t ctx, int64_t g0, int64_t ng, float* scratch) {
-  static const bool wide = __builtin_cpu_supports("avx512f");  // else 8 lanes (paged_vec.h)
-  if (wide) {
-    with_nd<16>(a.D, [&](auto nd) {
-      constexpr int ND = decltype(nd)::value;
-      decode<T, ND, pv_heads<ND>(), 16>(a, row, seq, ctx, g0, ng, scratch);
-    });
-  } else {
-    with_nd<8>(a.D, [&](auto nd) {
-      constexpr int ND = decltype(nd)::value;
-      decode<T, ND, pv_heads<ND>(), 8>(a, row, seq, ctx, g0, ng, scratch);
-    });
-  }
+  with_lanes(a.D, [&](auto w, auto nd) {
+    constexpr int ND = decltype(nd)::value;
+    decode<T, ND, pv_heads<ND>(), decltype(w)::value>(a, row, seq, ctx, g0, ng, scratch);
+  });
 }
 
 }  // namespace

@@ -186,9 +186,9 @@ LORAPLEX_CLONES void prefill(const Args<T>& a, int64_t row0, int64_t n, int64_t 
 
 template <typename T>
 void dispatch(const Args<T>& a, int64_t row0, int64_t n, int64_t seq, int64_t ctx0, int64_t g, float* scratch) {
-  static const bool wide = __builtin_cpu_supports("avx512f");  // else 8 lanes (paged_vec.h)
-  if (wide) with_nd<16>(a.D, [&](auto nd) { prefill<T, decltype(nd)::value, 16>(a, row0, n, seq, ctx0, g, scratch); });
-  else with_nd<8>(a.D, [&](auto nd) { prefill<T, decltype(nd)::value, 8>(a, row0, n, seq, ctx0, g, scratch); });
+  with_lanes(a.D, [&](auto w, auto nd) {
+    prefill<T, decltype(nd)::value, decltype(w)::value>(a, row0, n, seq, ctx0, g, scratch);
+  });
 }
 
 }  // namespace

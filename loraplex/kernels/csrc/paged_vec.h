@@ -74,7 +74,7 @@ LORAPLEX_INLINE typename VecOf<W>::f load(const c10::BFloat16* p) {  // bf16 is 
   return reinterpret_cast<typename VecOf<W>::f>(__builtin_convertvector(h, typename VecOf<W>::u) << 16);
 }
 
-template <typename V = v16>
+template <typename V>
 LORAPLEX_INLINE V splat(float x) { return V{} + x; }
 
 // [0, 1, ..., W - 1]: each lane's index.
@@ -127,11 +127,17 @@ LORAPLEX_INLINE float lane_sum(V v) {
   return total;
 }
 
+// Whether the loops run on 16 lanes (the CPU has AVX-512F) or on 8 (AVX2); read once.
+inline bool wide() {
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  return avx512;
+}
+
 // Calls f(std::integral_constant<int, ND>{}) with ND = D / W, the head dim in vectors of W lanes, as a
 // compile-time constant, so that each loop keeps its accumulators [ND] in registers. D / 16 must be 1, 2,
 // 4, 8 or 16 (decode_supported); any other D raises (the caller sends such tiles to `attend`, so it is a
 // bug).
-template <int W = kLanes, typename F>
+template <int W, typename F>
 inline void with_nd(int64_t D, F&& f) {
   constexpr int k = 16 / W;  // ND for D = 16
   switch (D % 16 == 0 ? D / W : 0) {
@@ -142,6 +148,13 @@ inline void with_nd(int64_t D, F&& f) {
     case 16 * k: return f(std::integral_constant<int, 16 * k>{});
   }
   TORCH_CHECK(false, "paged attention: the vector loops take D / 16 in {1, 2, 4, 8, 16}, got D = ", D);
+}
+
+// Calls f(W, ND), both std::integral_constant<int>: W = 16 where wide(), else 8; ND = D / W (with_nd).
+template <typename F>
+inline void with_lanes(int64_t D, F&& f) {
+  if (wide()) with_nd<16>(D, [&](auto nd) { f(std::integral_constant<int, 16>{}, nd); });
+  else with_nd<8>(D, [&](auto nd) { f(std::integral_constant<int, 8>{}, nd); });
 }
 
 }  // namespace vec
