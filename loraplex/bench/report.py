@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import datetime
 import os
 import platform
@@ -132,6 +133,18 @@ def _plot(path: Path, series: dict[str, tuple[list[float], list[float]]], xlabel
     plt.close(fig)
 
 
+def failures(runs: dict) -> list[str]:
+    """Report lines naming, per system of the main workload, how many requests failed and why (each distinct
+    error once, with its count, most frequent first); none when every request finished."""
+    lines = []
+    for system, run in runs.items():
+        errors = collections.Counter(r.error for r in run.records if not r.ok)
+        if errors:
+            why = "; ".join(f"{n} x `{e[:300]}`" for e, n in errors.most_common())
+            lines += [f"Failed in `{system}`: {sum(errors.values())} of {len(run.records)} requests: {why}.", ""]
+    return lines
+
+
 def write(out: Path, bench, *, command: str, elapsed_s: float) -> None:
     """Write the report of `bench` (a finished `loraplex.bench.run.Bench`) to `out`, plots beside it."""
     out = Path(out)
@@ -164,13 +177,14 @@ def write(out: Path, bench, *, command: str, elapsed_s: float) -> None:
     lines += summary_table([(NAMES[k], v) for k, v in main.items()])
     lines += ["", *ratio_table(main), "",
               "Throughput counts from the first arrival to the last finish; when a system keeps up with R it "
-              "equals R, so the ratios compare capacity only where R saturates both systems (see the rate "
-              "sweep). Static batching here admits a new batch only when the previous one is done, but a "
+              "equals R, so the ratios compare capacity only where R saturates both systems"
+              + (" (see the rate sweep)" if any(e.group == "rate" for e in results) else "") + ". Static batching here admits a new batch only when the previous one is done, but a "
               "finished row leaves its batch at once; PEFT's static batches run every row to the batch's "
               "longest output. Mean batch: rows that made a token per step (PEFT: rows in its batch, finished "
               "ones included; HTTP: rows scheduled per engine step). The HTTP client and the server share this "
               "machine's cores.", ""]
     runs = {e.system: e for e in results if e.group == "main"}
+    lines += failures(runs)
     for ours, theirs, whose in AGREEMENT:
         if ours in runs and theirs in runs:
             a, b = runs[ours].records, runs[theirs].records

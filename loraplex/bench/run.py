@@ -226,7 +226,12 @@ class Bench:
             env = {"LORAPLEX_MAX_LORAS": str(self.preset.max_loras), "LORAPLEX_MAX_LORA_RANK": "64",
                    "LORAPLEX_MAX_NUM_SEQS": str(self.preset.max_num_seqs), "LORAPLEX_DTYPE": self.preset.dtype,
                    "LORAPLEX_MODEL": self.preset.model, "LORAPLEX_NUM_THREADS": str(self.threads),
-                   "LORAPLEX_ENABLE_PREFIX_CACHING": "false"}
+                   "LORAPLEX_ENABLE_PREFIX_CACHING": "false",
+                   # queue every request, as the in-process engine does, so both systems serve the same
+                   # ones: the server's default sheds past 10 s of estimated wait, which a slow CPU reaches
+                   # at this preset's rate (the capacity compared is the gateway's, not its shedding policy)
+                   "LORAPLEX_MAX_QUEUE_WAIT_S": "3600",
+                   "LORAPLEX_MAX_NUM_WAITING_SEQS": str(max(1, len(workload.requests)))}
             dirs = {name: self.adapter_dirs[name] for name in workload.adapters}
             records, stats = run_http(workload, dirs, engine_env=env, log_path=self.workdir / "server.log")
         else:
@@ -321,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="report path (default docs/benchmarks/<preset>.md)")
     ap.add_argument("--trace", type=Path, help="JSONL trace to replay as the main workload")
     ap.add_argument("--systems", help="comma-separated subset of engine,static,peft,base,http for the main workload")
+    ap.add_argument("--main-only", action="store_true",
+                    help="run the main workload only, not the rate, adapter-count and alpha sweeps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=usable_cpus(),
                     help="torch CPU threads (default: the CPUs this process may use)")
@@ -380,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             ap.error(f"unknown systems {unknown}; choose from {sorted(report.NAMES)}")
         preset = dataclasses.replace(preset, systems=systems)
+    if args.main_only:
+        preset = dataclasses.replace(preset, rates=(), num_adapters=(), alphas=(), cold_load_ranks=())
     out = args.out or Path("docs/benchmarks") / f"{args.preset}.md"
     started = time.perf_counter()
     if args.trace:

@@ -188,3 +188,18 @@ def test_offline_all_at_once_workload_on_seven_projections_with_cold_loads(tmp_p
     text = (tmp_path / "offline.md").read_text()
     assert "6 requests all at time 0" in text and "on q/k/v/o/gate/up/down" in text
     assert re.search(r"\| 16 \| \d+\.\d \| \d+\.\d \| \d+\.\d \|", text)
+
+
+def test_cli_main_only_runs_the_main_workload_without_the_sweeps(tmp_path):
+    """`--main-only`: the side-by-side table and nothing from the rate, adapter-count or alpha sweeps (the
+    small preset has all three)."""
+    out = tmp_path / "small.md"
+    run = subprocess.run([sys.executable, "-m", "loraplex.cli", "bench", "--preset", "small", "--model", "tiny-llama",
+                          "--load-format", "dummy", "--systems", "engine", "--main-only", "--threads", "1",
+                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    measured = [line.split()[0] for line in run.stdout.splitlines() if line.startswith("  ")]
+    assert measured == ["main"], run.stdout
+    text = out.read_text()
+    assert "## Side by side" in text and "| loraplex, continuous batching | 99/99 |" in text
+    assert "## Rate sweep" not in text and "--main-only" in text

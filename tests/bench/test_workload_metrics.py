@@ -137,3 +137,19 @@ def test_summary_definitions():
     assert s.ttft[50] == pytest.approx(1.25) and s.e2e[99] == pytest.approx(1.5 + 0.99 * 1.5)
     assert s.stats.mean_batch_size == 2.5 and s.stats.adapter_hit_rate == 0.75
     assert s.mfu == pytest.approx(100.0 * (10 + 11 + 5 + 2) / 4.0 / 1000.0)
+
+
+def test_report_names_each_systems_failed_requests_and_why():
+    from types import SimpleNamespace
+
+    from loraplex.bench.metrics import RequestRecord
+    from loraplex.bench.report import failures
+
+    done = RequestRecord(0.0, 0.1, 0.5, 4, 2)
+    busy = RequestRecord(0.0, None, None, 4, 0, error="APIStatusError: 503 server busy")
+    gone = RequestRecord(0.0, None, None, 4, 0, error="ReadError: connection reset")
+    runs = {"engine": SimpleNamespace(records=[done, done]),
+            "http": SimpleNamespace(records=[done, busy, gone, busy])}
+    assert failures(runs) == ["Failed in `http`: 3 of 4 requests: 2 x `APIStatusError: 503 server busy`; "
+                              "1 x `ReadError: connection reset`.", ""]
+    assert failures({"engine": runs["engine"]}) == []
