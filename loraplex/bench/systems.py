@@ -157,10 +157,13 @@ def run_peft(model, workload: Workload, *, batch_size: int = 16) -> tuple[list[R
 
 def peer_python(explicit: str | None = None) -> Path | None:
     """The peer's Python for the `vllm` systems: `explicit` (--peer-python), else `LORAPLEX_PEER_PYTHON`,
-    else `.peer/vllm/bin/python` where `scripts/peer-vllm` puts it; None when none of them exists."""
+    else `.peer/vllm/bin/python` where `scripts/peer-vllm` puts it; None when the one asked for does not
+    exist (an explicit path that is not a file is never replaced by a default: the run says vLLM is
+    skipped rather than measure another vLLM than the one named)."""
     import os
 
-    for candidate in (explicit, os.environ.get("LORAPLEX_PEER_PYTHON"), ".peer/vllm/bin/python"):
+    candidates = [explicit] if explicit else [os.environ.get("LORAPLEX_PEER_PYTHON"), ".peer/vllm/bin/python"]
+    for candidate in candidates:
         if candidate and Path(candidate).is_file():
             return Path(candidate)
     return None

@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -100,6 +101,12 @@ def test_vllm_systems_are_skipped_with_a_clear_line_when_the_peer_is_not_install
     monkeypatch.delenv("LORAPLEX_PEER_PYTHON", raising=False)
     monkeypatch.chdir(tmp_path)  # no .peer/vllm here
     assert peer_python(None) is None and peer_python(str(tmp_path / "missing")) is None
+    default = tmp_path / ".peer/vllm/bin/python"
+    default.parent.mkdir(parents=True)
+    default.write_text("")
+    assert peer_python(None) == Path(".peer/vllm/bin/python")
+    assert peer_python(str(tmp_path / "missing")) is None  # a wrong --peer-python never falls back to it
+    default.unlink()
     main = WorkloadSpec(num_adapters=2, rate=50.0, duration_s=0.2, prompt_len=(4, 8), output_len=(2, 4))
     preset = Preset(dtype="float32", main=main, rates=(), num_adapters=(), alphas=(), max_loras=2,
                     systems=("engine", "vllm", "vllm-base"))
