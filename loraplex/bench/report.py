@@ -178,7 +178,8 @@ def write(out: Path, bench, *, command: str, elapsed_s: float) -> None:
     lines += ["", *ratio_table(main), "",
               "Throughput counts from the first arrival to the last finish; when a system keeps up with R it "
               "equals R, so the ratios compare capacity only where R saturates both systems"
-              + (" (see the rate sweep)" if any(e.group == "rate" for e in results) else "") + ". Static batching here admits a new batch only when the previous one is done, but a "
+              + (" (see the rate sweep)" if any(e.group == "rate" for e in results) else "")
+              + ". Static batching here admits a new batch only when the previous one is done, but a "
               "finished row leaves its batch at once; PEFT's static batches run every row to the batch's "
               "longest output. Mean batch: rows that made a token per step (PEFT: rows in its batch, finished "
               "ones included; HTTP: rows scheduled per engine step). The HTTP client and the server share this "

@@ -105,7 +105,8 @@ def _build():
             fcntl.flock(lock, fcntl.LOCK_EX)  # another process building it: wait for it, then load
             (build_dir / "lock").unlink(missing_ok=True)  # PyTorch's, left by a killed build: stale
             if not (build_dir / f"{name}.so").exists():
-                logger.warning("building the CPU kernels (once per machine and checkout: under a minute on a recent CPU, 4-5 minutes on an older 2-core one)")
+                logger.warning("building the CPU kernels (once per machine and checkout: under a minute on a "
+                               "recent CPU, 4-5 minutes on an older 2-core one)")
             module = cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
                                         extra_ldflags=list(LDFLAGS), build_directory=str(build_dir),
                                         verbose=False)
