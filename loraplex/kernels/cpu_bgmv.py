@@ -70,7 +70,7 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
     """
     if meta.slot_ranks is None:
         raise ValueError("the bgmv path needs meta.slot_ranks (build_lora_meta(..., slot_ranks=...))")
-    ext = cpu_ext.get() if x.device.type == "cpu" else None
+    ext = cpu_ext.get(x.dtype) if x.device.type == "cpu" else None
     if ext is not None:
         return add_lora_bgmv_compiled(ext, y, x, slices, meta, offsets, cache)
     if any(w.AT is None for w in slices):
@@ -106,7 +106,7 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
 
 def add_lora_bgmv_compiled(ext, y: torch.Tensor, x: torch.Tensor, slices, meta: LoRAMeta,
                            offsets: list[int], cache: MutableMapping | None = None) -> torch.Tensor:
-    """`add_lora_bgmv` in the compiled kernel `ext` (`cpu_ext.get()`; semantics and roundings in
+    """`add_lora_bgmv` in the compiled kernel `ext` (`cpu_ext.get(dtype)`; semantics and roundings in
     csrc/bgmv_cpu.cpp): one call per projection, rows in adapter order split between PyTorch's threads,
     each row's shrink and expand read from A [V page, H_in] and BT [V page, H_out], the next
     segment's weights read ahead. The AT mirrors are not read. Returns y."""

@@ -50,7 +50,7 @@ _lock = threading.Lock()
 _module = None
 _tried = False
 enabled = os.environ.get("LORAPLEX_CPU_KERNEL", "1") != "0"
-vectorized = True  # the AVX-512 path where the CPU has it; False runs the scalar path (tests)
+vectorized = True  # the vector path (AVX-512, or AVX2 for fp32) where the CPU has it; False: the scalar path (tests)
 
 
 def module_name() -> str:
@@ -70,12 +70,16 @@ def build_root() -> Path:
     return Path(base).expanduser() / "loraplex"
 
 
-def get():
-    """The compiled module for the LoRA path (functions `bgmv`, `avx512_available`,
-    `avx512_bf16_available`, `paged_attention`): None when turned off, when it cannot be built, or on a
-    CPU without AVX-512 (each logged once). Builds it on first use. Thread-safe."""
+def get(dtype=None):
+    """The compiled module for the LoRA path (functions `bgmv`, `avx512_available`, `avx2_available`,
+    `avx512_bf16_available`, `paged_attention`) for weights of `dtype` (a torch dtype; None: any): None
+    when turned off, when it cannot be built (each logged once), or where its BGMV has no vector path
+    for `dtype` (that path needs AVX-512, or AVX2 + FMA for float32; elsewhere its scalar path is slower
+    than the embedding_bag gathers). Builds it on first use. Thread-safe."""
     module = load()
-    return module if module is not None and module.avx512_available() else None
+    if module is None:
+        return None
+    return module if module.avx512_available() or (dtype == torch.float32 and module.avx2_available()) else None
 
 
 def load():
@@ -121,6 +125,7 @@ def _build():
     logger.info("CPU kernels ready in %.1f s (AVX-512: %s, AVX512-BF16: %s)", time.perf_counter() - start,
                 module.avx512_available(), module.avx512_bf16_available())
     if not module.avx512_available():
-        logger.warning("this CPU has no AVX-512: many-adapter CPU steps use the embedding_bag gathers, "
-                       "faster here than the kernel's scalar path")
+        logger.warning("this CPU has no AVX-512: many-adapter bf16/fp16 CPU steps use the embedding_bag "
+                       "gathers, faster here than the kernel's scalar path%s",
+                       "; fp32 ones its AVX2 path" if module.avx2_available() else "")
     return module

@@ -44,8 +44,10 @@ _CPU = CPULoRA()  # the CPU implementation and its caches; CUDA runs the Triton 
 # packed path multiplies every row by all N active rank columns, so it is cheapest while N is small;
 # bgmv reads only each row's own adapter, so its cost does not grow with the number of adapters. They
 # cross at about six rank-8 adapters in bf16. In fp32 the same limit holds where the compiled BGMV
-# kernel runs (an AVX-512 CPU): the vllm preset's 16 rank-8 adapters (N = 128 at a 64-row decode),
-# 2-core AMD EPYC, 1 thread, took 21.2-22.4 s packed against 18.4-19.2 s with bgmv (docs/kernels.md).
+# kernel runs (an AVX-512 CPU, or AVX2 + FMA for fp32): the vllm preset's 16 rank-8 adapters (N = 128
+# at a 64-row decode), 2-core AMD EPYC, 1 thread, took 21.2-22.4 s packed against 18.4-19.2 s with
+# bgmv on AVX-512 (docs/kernels.md); on an AVX2-only EPYC a 64-row decode step took a median 11% less
+# with bgmv, 20 interleaved pairs on one engine (docs/performance.md).
 # Without the kernel, fp32 bgmv runs on embedding_bag gathers, and keeps the N limit measured against
 # that older per-row path; its T x N limit holds either way.
 PACKED_LIMITS = {torch.float32: (1024, 160 * 1024)}  # dtype -> (max N, max T x N); with the kernel N <= 48
@@ -102,7 +104,7 @@ def _pick_backend(x: torch.Tensor, meta: LoRAMeta, slices: Sequence[LoRAWeights]
         meta._active_ranks = sum(meta.slot_ranks[s] for s in meta.seg_slots_list)
     n = meta._active_ranks
     max_n, max_tn = PACKED_LIMITS.get(x.dtype, PACKED_LIMITS_16BIT)
-    if x.dtype in PACKED_LIMITS and cpu_ext.get() is not None:  # the compiled kernel: bgmv past 16-bit's N
+    if x.dtype in PACKED_LIMITS and cpu_ext.get(x.dtype) is not None:  # the compiled kernel: bgmv past 16-bit's N
         max_n = min(max_n, PACKED_LIMITS_16BIT[0])
     if n <= max_n and meta.num_tokens * n <= max_tn:
         return "packed"

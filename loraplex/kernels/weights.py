@@ -223,7 +223,7 @@ class LoRAStack:
         num_virtual = num_slots * max_rank // page
         on_cpu = torch.device(device).type == "cpu"
         if on_cpu and shrink_mirror is None:  # builds or loads the kernel once a process: at engine start
-            shrink_mirror = num_slots > 0 and cpu_ext.get() is None
+            shrink_mirror = num_slots > 0 and cpu_ext.get(dtype) is None
         k = len(out_features)
         AT = (torch.zeros(num_layers, num_slots, max_rank // page, in_features, k * page, dtype=dtype)
               if on_cpu and shrink_mirror else None)

@@ -17,14 +17,18 @@ def ext():
     return cpu_ext.load()
 
 
-def test_builds_and_serves_the_engine_only_on_an_avx512_cpu(ext):
+def test_builds_and_serves_the_engine_only_where_a_vector_path_takes_the_dtype(ext):
     """CI's machine has a compiler: the kernel must build there, not fall back to the gathers; the
-    engine gets it where the CPU has AVX-512 (its scalar path is slower than the gathers)."""
+    engine gets it where the CPU has AVX-512, and for fp32 where it has AVX2 + FMA (its scalar path is
+    slower than the gathers)."""
     assert ext is not None
     flags = open("/proc/cpuinfo").read().split()
     assert ext.avx512_available() == all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
     assert ext.avx512_bf16_available() == (ext.avx512_available() and "avx512_bf16" in flags)
+    assert ext.avx2_available() == ("avx2" in flags and "fma" in flags)
     assert (cpu_ext.get() is ext) == ext.avx512_available()
+    assert (cpu_ext.get(torch.bfloat16) is ext) == ext.avx512_available()
+    assert (cpu_ext.get(torch.float32) is ext) == (ext.avx512_available() or ext.avx2_available())
     assert cpu_ext.module_name().startswith("loraplex_cpu_")
     assert (cpu_ext.build_root() / cpu_ext.module_name() / f"{cpu_ext.module_name()}.so").exists()
 

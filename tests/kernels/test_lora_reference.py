@@ -15,7 +15,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def _bgmv(enabled: bool, vectorized: bool = True):
-    """add_lora_bgmv in the compiled kernel (its AVX-512 or its scalar path) or on embedding_bag."""
+    """add_lora_bgmv in the compiled kernel (its vector path: AVX-512, or AVX2 for fp32; or its scalar path) or on embedding_bag."""
     def run(*args):
         saved = cpu_ext.enabled, cpu_ext.vectorized
         cpu_ext.enabled, cpu_ext.vectorized = enabled, vectorized
@@ -100,7 +100,8 @@ def test_dispatch_auto_and_forced(monkeypatch):
 def test_auto_picks_the_cpu_path_measured_fastest(monkeypatch, dtype, num_tokens, num_adapters, mirrors, kernel,
                                                   expected):
     monkeypatch.setattr(lora_ops, "_backend", "auto")
-    monkeypatch.setattr(lora_ops.cpu_ext, "get", (lambda: cpu_ext.load()) if kernel else (lambda: None))
+    kernel_or_none = (lambda dtype=None: cpu_ext.load()) if kernel else (lambda dtype=None: None)
+    monkeypatch.setattr(lora_ops.cpu_ext, "get", kernel_or_none)
     if dtype == torch.float32 and kernel and cpu_ext.load() is None:
         pytest.fail("the CPU kernels must build here (CI has a compiler)")
     # a CPU step on every machine: the choice among CPU paths is made for CPU tensors only

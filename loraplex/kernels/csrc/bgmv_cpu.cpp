@@ -18,8 +18,10 @@
 // over 46 adapters, 30 layers cycling: 98 -> 75 us with the bf16 pairs below; prefetch hints: no
 // change). With bf16 weights on a CPU with AVX512-BF16, the shrink multiplies bf16 pairs
 // (vdpbf16ps, what oneDNN's bf16 GEMMs use on such CPUs; it flushes bf16 subnormals to zero). The
-// vector paths are picked at run time. The scalar path is the same arithmetic, about 5x slower than
-// the gathers, so `cpu_ext` uses the kernel only on CPUs with AVX-512; the tests run both paths.
+// vector paths are picked at run time: AVX-512 for every dtype, else AVX2 + FMA for fp32 (8 lanes; on a
+// 2-core AVX2-only EPYC the gathers took 24% of a 64-row decode step with 16 adapters,
+// docs/performance.md). The scalar path is the same arithmetic, about 5x slower than the gathers, so
+// `cpu_ext.get` offers the kernel only where a vector path takes the dtype; the tests run every path.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -244,6 +246,113 @@ LORAPLEX_AVX512 void rows_avx512(const Problem<T>& p, int64_t begin, int64_t end
   }
 }
 
+// ---- AVX2 path (fp32 only): 8 lanes, for CPUs without AVX-512 ----
+// The same loops as the AVX-512 path on 8-lane registers. Only fp32: bf16 on such a CPU is slow in every
+// kernel (its GEMMs run at about 1 GFLOP/s), so dtype "auto" serves fp32 there and bf16/fp16 steps keep
+// the embedding_bag gathers.
+
+#define LORAPLEX_AVX2 __attribute__((target("avx2,fma")))
+
+LORAPLEX_AVX2 inline float reduce8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+LORAPLEX_AVX2 inline void touch8(const void* ptr, int64_t bytes) {
+  const char* c = static_cast<const char*>(ptr);
+  __m256i acc = _mm256_setzero_si256();
+  for (int64_t b = 0; b + 32 <= bytes; b += 64) acc = _mm256_or_si256(acc, _mm256_loadu_si256((const __m256i*)(c + b)));
+  asm volatile("" : : "x"(acc));
+}
+
+// v[j] = sum_h xf[h] a[j, h] for j < r, four rows at a time sharing each x load (shrink_row on 8 lanes)
+LORAPLEX_AVX2 void shrink_row8(const float* xf, const float* a, int64_t h, int64_t r, float* v) {
+  const int64_t hv = h - h % 8;
+  int64_t j = 0;
+  for (; j + 4 <= r; j += 4) {
+    const float *a0 = a + j * h, *a1 = a0 + h, *a2 = a1 + h, *a3 = a2 + h;
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (int64_t c = 0; c < hv; c += 8) {
+      const __m256 xv = _mm256_loadu_ps(xf + c);
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a0 + c), xv, s0);
+      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a1 + c), xv, s1);
+      s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a2 + c), xv, s2);
+      s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a3 + c), xv, s3);
+    }
+    float t[4] = {reduce8(s0), reduce8(s1), reduce8(s2), reduce8(s3)};
+    for (int i = 0; i < 4; ++i) {
+      for (int64_t c = hv; c < h; ++c) t[i] += xf[c] * a0[i * h + c];
+      v[j + i] = t[i];
+    }
+  }
+  for (; j < r; ++j) {
+    const float* a0 = a + j * h;
+    __m256 s0 = _mm256_setzero_ps();
+    for (int64_t c = 0; c < hv; c += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a0 + c), _mm256_loadu_ps(xf + c), s0);
+    float t0 = reduce8(s0);
+    for (int64_t c = hv; c < h; ++c) t0 += xf[c] * a0[c];
+    v[j] = t0;
+  }
+}
+
+// y[c] += sum_j v[j] b[j, c] for c < n (expand_row on 8 lanes)
+LORAPLEX_AVX2 void expand_row8(const float* v, const float* b, int64_t r, int64_t n, float* y) {
+  const int64_t nv = n - n % 8;
+  for (int64_t c = 0; c < nv; c += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < r; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(v[j]), _mm256_loadu_ps(b + j * n + c), acc);
+    _mm256_storeu_ps(y + c, _mm256_add_ps(_mm256_loadu_ps(y + c), acc));
+  }
+  for (int64_t c = nv; c < n; ++c) {
+    float acc = 0.f;
+    for (int64_t j = 0; j < r; ++j) acc += v[j] * b[j * n + c];
+    y[c] = y[c] + acc;
+  }
+}
+
+// rows_avx512 for fp32 on 8 lanes: segments in adapter order, the next segment's weights touched first
+LORAPLEX_AVX2 void rows_avx2(const Problem<float>& p, int64_t begin, int64_t end) {
+  const size_t k = p.a.size();
+  std::vector<float> v;
+  std::vector<int64_t> starts;  // first row of each segment in [begin, end)
+  for (int64_t q = begin; q < end; ++q)
+    if (q == begin || p.sid[q] != p.sid[q - 1]) starts.push_back(q);
+  const int64_t num_segments = starts.size();
+  starts.push_back(end);
+  for (int64_t g = 0; g < num_segments; ++g) {
+    if (g + 1 < num_segments) {
+      const int64_t s = p.sid[starts[g + 1]];
+      for (size_t i = 0; i < k; ++i) {
+        const int64_t r = p.ranks[i][s];
+        if (r <= 0) continue;
+        touch8(p.a[i] + s * p.page * p.h_in, r * p.h_in * int64_t(sizeof(float)));
+        touch8(p.bt[i] + s * p.page * p.h_out[i], r * p.h_out[i] * int64_t(sizeof(float)));
+      }
+    }
+    const int64_t s = p.sid[starts[g]];
+    for (int64_t q = starts[g]; q < starts[g + 1]; ++q) {
+      const int64_t t = p.order[q];
+      const float* xr = p.x + t * p.x_stride;
+      for (size_t i = 0; i < k; ++i) {
+        const int64_t r = p.ranks[i][s];
+        if (r <= 0) continue;
+        v.resize(r);
+        shrink_row8(xr, p.a[i] + s * p.page * p.h_in, p.h_in, r, v.data());
+        expand_row8(v.data(), p.bt[i] + s * p.page * p.h_out[i], r, p.h_out[i], p.y + t * p.y_stride + p.offsets[i]);
+      }
+    }
+  }
+}
+
+bool has_avx2() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return yes;
+}
+
 bool has_avx512_bf16() {
   static const bool yes = [] {
     __builtin_cpu_init();
@@ -264,6 +373,7 @@ bool has_avx512() {
 #else
 bool has_avx512() { return false; }
 bool has_avx512_bf16() { return false; }
+bool has_avx2() { return false; }
 #endif
 
 template <typename T>
@@ -290,7 +400,10 @@ void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& order, const at::
   const int64_t grain = std::max<int64_t>(1, (n + at::get_num_threads() - 1) / at::get_num_threads());
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
 #ifdef LORAPLEX_X86
-    if (vec) return rows_avx512(p, begin, end, has_avx512_bf16());
+    if (vec && has_avx512()) return rows_avx512(p, begin, end, has_avx512_bf16());
+    if constexpr (std::is_same_v<T, float>) {
+      if (vec && has_avx2()) return rows_avx2(p, begin, end);
+    }
 #endif
     rows_scalar(p, begin, end);
   });
@@ -299,6 +412,7 @@ void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& order, const at::
 }  // namespace
 
 bool avx512_available() { return has_avx512(); }
+bool avx2_available() { return has_avx2(); }
 bool avx512_bf16_available() { return has_avx512() && has_avx512_bf16(); }
 
 void bgmv(at::Tensor y, at::Tensor x, at::Tensor order, at::Tensor sid, std::vector<at::Tensor> A,
@@ -344,7 +458,7 @@ void bgmv(at::Tensor y, at::Tensor x, at::Tensor order, at::Tensor sid, std::vec
     }
   }
   pybind11::gil_scoped_release no_gil;  // other Python threads (the server's event loop) run meanwhile
-  vec = vec && has_avx512();
+  vec = vec && (has_avx512() || (dtype == at::kFloat && has_avx2()));
   if (dtype == at::kBFloat16) run<c10::BFloat16>(y, x, order, sid, A, BT, ranks, offsets, page, vec);
   else if (dtype == at::kHalf) run<c10::Half>(y, x, order, sid, A, BT, ranks, offsets, page, vec);
   else run<float>(y, x, order, sid, A, BT, ranks, offsets, page, vec);

@@ -6,6 +6,7 @@
 
 bool avx512_available();
 bool avx512_bf16_available();
+bool avx2_available();
 void bgmv(at::Tensor y, at::Tensor x, at::Tensor order, at::Tensor sid, std::vector<at::Tensor> A,
           std::vector<at::Tensor> BT, std::vector<at::Tensor> ranks, std::vector<int64_t> offsets, int64_t page,
           bool vec);
@@ -23,6 +24,7 @@ at::Tensor packed_gemm_linear(const at::Tensor& x, const at::Tensor& packed, int
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bgmv", &bgmv, "Multi-adapter LoRA, one adapter per row, in place on y (see bgmv_cpu.cpp)");
   m.def("avx512_available", &avx512_available, "Whether this CPU runs the AVX-512 path");
+  m.def("avx2_available", &avx2_available, "Whether this CPU runs the AVX2 path (fp32 only) where it has no AVX-512");
   m.def("avx512_bf16_available", &avx512_bf16_available, "Whether its bf16 shrink multiplies bf16 pairs");
   m.def("paged_attention", &paged_attention,
         "Attention of each row over its request's K/V read through the block table (see paged_attention_cpu.cpp)");
