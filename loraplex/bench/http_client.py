@@ -38,6 +38,11 @@ START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT = httpx.Timeout(3600.0, connect=60.0)  # a request may queue for long under overload
 LOCAL = dict(timeout=REQUEST_TIMEOUT, trust_env=False)  # 127.0.0.1: never through an HTTP(S)_PROXY
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+# Every bench server queues what it is sent, as the in-process engine does, so the systems compared serve
+# the same requests: the server's default sheds past 10 s of estimated queue wait, which a slow CPU reaches
+# at the presets' rates (what a bench compares is capacity, not the shedding policy). A caller that also
+# sends more requests at once than the default waiting-queue bound raises LORAPLEX_MAX_NUM_WAITING_SEQS.
+BENCH_SERVER_ENV = {"LORAPLEX_MAX_QUEUE_WAIT_S": "3600"}
 UNLIMITED = dict.fromkeys(
     ("rpm", "tpm", "max_concurrent_requests", "token_budget", "max_adapters", "max_adapter_bytes")
 )
@@ -75,6 +80,20 @@ class Server:
     proc: subprocess.Popen
 
 
+def server_environ(engine_env: dict[str, str] | None, *, home: Path, port: int, admin_key: str) -> dict[str, str]:
+    """The environment of a bench server: this process's, less its LORAPLEX_* variables, then
+    `BENCH_SERVER_ENV`, then `engine_env` (which wins over both), then the server's home, address and
+    admin key."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
+    return env | BENCH_SERVER_ENV | (engine_env or {}) | {
+        "LORAPLEX_HOME": str(home),
+        "LORAPLEX_HOST": "127.0.0.1",
+        "LORAPLEX_PORT": str(port),
+        "LORAPLEX_ADMIN_KEY": admin_key,
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
 @contextmanager
 def serve_subprocess(engine_env: dict[str, str] | None = None, *, port: int | None = None,
                      log_path: Path | None = None) -> Iterator[Server]:
@@ -83,8 +102,8 @@ def serve_subprocess(engine_env: dict[str, str] | None = None, *, port: int | No
     then SIGKILL after 30 s) and its home deleted on exit.
 
     engine_env: LORAPLEX_* settings (LORAPLEX_MAX_LORAS, LORAPLEX_DTYPE, ...) and others such as
-    OMP_NUM_THREADS; the caller's own LORAPLEX_* variables are not passed on (no shared database or
-    Redis). port: default a free one. log_path: the server's stdout and stderr (default a file in the
+    OMP_NUM_THREADS, over `BENCH_SERVER_ENV`; the caller's own LORAPLEX_* variables are not passed on
+    (no shared database or Redis). port: default a free one. log_path: the server's stdout and stderr (default a file in the
     home, deleted). Raises RuntimeError with the log's tail if the server does not start.
     """
     from loraplex.engine.loader import loraplex_home
@@ -97,15 +116,7 @@ def serve_subprocess(engine_env: dict[str, str] | None = None, *, port: int | No
         models = loraplex_home() / "models"
         models.mkdir(parents=True, exist_ok=True)  # a model missing from the cache is converted there, once
         (home / "models").symlink_to(models, target_is_directory=True)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
-        env |= {
-            **(engine_env or {}),
-            "LORAPLEX_HOME": str(home),
-            "LORAPLEX_HOST": "127.0.0.1",
-            "LORAPLEX_PORT": str(port),
-            "LORAPLEX_ADMIN_KEY": admin_key,
-            "PYTHONUNBUFFERED": "1",
-        }
+        env = server_environ(engine_env, home=home, port=port, admin_key=admin_key)
         log_path = Path(log_path) if log_path is not None else home / "serve.log"
         with open(log_path, "w") as log:
             cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--log-level", "warning"]

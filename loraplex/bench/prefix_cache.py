@@ -223,7 +223,7 @@ def run_one(caching: bool, plan: Plan, spec: PrefixSpec, adapter_dirs: dict[str,
     from loraplex.bench.http_client import LOCAL, _auth, _check, make_tenants, serve_subprocess
 
     env = {"LORAPLEX_ENABLE_PREFIX_CACHING": "true" if caching else "false", "LORAPLEX_NUM_THREADS": str(threads),
-           "LORAPLEX_MAX_QUEUE_WAIT_S": "3600", "LORAPLEX_DTYPE": spec.dtype}
+           "LORAPLEX_DTYPE": spec.dtype}
     names = [f"shop-{t}" for t in range(len(plan.adapters))]
     with serve_subprocess(env, log_path=log_path) as server:
         with httpx.Client(base_url=server.url, headers=_auth(server.admin_key), **LOCAL) as admin:

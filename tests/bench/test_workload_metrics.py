@@ -153,3 +153,25 @@ def test_report_names_each_systems_failed_requests_and_why():
     assert failures(runs) == ["Failed in `http`: 3 of 4 requests: 2 x `APIStatusError: 503 server busy`; "
                               "1 x `ReadError: connection reset`.", ""]
     assert failures({"engine": runs["engine"]}) == []
+
+
+def test_bench_servers_queue_every_request_and_the_caller_overrides(monkeypatch, tmp_path):
+    """Every bench server lifts the gateway's 10 s queue-wait bound (so it serves what the in-process
+    engine serves), the caller's own LORAPLEX_* settings stay out, and engine_env wins."""
+    from loraplex.bench.http_client import server_environ
+    from loraplex.platform.config import Settings
+    from loraplex.platform.security import new_key
+
+    key = new_key()
+    monkeypatch.setenv("LORAPLEX_REDIS_URL", "redis://elsewhere:6379")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    env = server_environ({"LORAPLEX_DTYPE": "float32"}, home=tmp_path, port=8123, admin_key=key)
+    assert "LORAPLEX_REDIS_URL" not in env and env["OMP_WAIT_POLICY"] == "passive"
+    assert env["LORAPLEX_DTYPE"] == "float32" and env["LORAPLEX_PORT"] == "8123"
+    assert env["LORAPLEX_HOME"] == str(tmp_path) and env["LORAPLEX_ADMIN_KEY"] == key
+    for key in [k for k in env if k.startswith("LORAPLEX_")]:
+        monkeypatch.setenv(key, env[key])
+    monkeypatch.delenv("LORAPLEX_REDIS_URL")
+    assert Settings().max_queue_wait_s == 3600.0  # the server reads it
+    assert server_environ({"LORAPLEX_MAX_QUEUE_WAIT_S": "5"}, home=tmp_path, port=1,
+                          admin_key=key)["LORAPLEX_MAX_QUEUE_WAIT_S"] == "5"
