@@ -122,7 +122,7 @@ def add_lora_bgmv_compiled(ext, y: torch.Tensor, x: torch.Tensor, slices, meta: 
     if used:
         flat = [_views(w, "flat", cache) for w, _ in used]
         ext.bgmv(y, x, order, sid, [a for a, _ in flat], [bt for _, bt in flat], [w.ranks for w, _ in used],
-                 [off for _, off in used], slices[0].page, cpu_ext.vectorized)
+                 [off for _, off in used], slices[0].page, cpu_ext.max_lanes)
     return y
 
 

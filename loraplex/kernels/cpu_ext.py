@@ -50,7 +50,7 @@ _lock = threading.Lock()
 _module = None
 _tried = False
 enabled = os.environ.get("LORAPLEX_CPU_KERNEL", "1") != "0"
-vectorized = True  # the vector path (AVX-512, or AVX2 for fp32) where the CPU has it; False: the scalar path (tests)
+max_lanes = 16  # the widest BGMV path taken where the CPU has it: 16 (AVX-512), 8 (AVX2 + FMA, fp32), 0 (scalar; tests)
 
 
 def module_name() -> str:
@@ -72,14 +72,15 @@ def build_root() -> Path:
 
 def get(dtype=None):
     """The compiled module for the LoRA path (functions `bgmv`, `avx512_available`, `avx2_available`,
-    `avx512_bf16_available`, `paged_attention`) for weights of `dtype` (a torch dtype; None: any): None
-    when turned off, when it cannot be built (each logged once), or where its BGMV has no vector path
-    for `dtype` (that path needs AVX-512, or AVX2 + FMA for float32; elsewhere its scalar path is slower
-    than the embedding_bag gathers). Builds it on first use. Thread-safe."""
+    `avx512_bf16_available`, `bgmv_lanes`, `paged_attention`) for weights of `dtype` (a torch dtype; None:
+    only where every dtype has a vector path, i.e. with AVX-512): None when turned off, when it cannot
+    be built (each logged once), or where its BGMV has no vector path for `dtype` (that path needs
+    AVX-512, or AVX2 + FMA for float32; elsewhere its scalar path is slower than the embedding_bag
+    gathers). Builds it on first use. Thread-safe."""
     module = load()
     if module is None:
         return None
-    return module if module.avx512_available() or (dtype == torch.float32 and module.avx2_available()) else None
+    return module if module.bgmv_lanes(dtype == torch.float32, 16) > 0 else None
 
 
 def load():

@@ -46,8 +46,8 @@ _CPU = CPULoRA()  # the CPU implementation and its caches; CUDA runs the Triton 
 # cross at about six rank-8 adapters in bf16. In fp32 the same limit holds where the compiled BGMV
 # kernel runs (an AVX-512 CPU, or AVX2 + FMA for fp32): the vllm preset's 16 rank-8 adapters (N = 128
 # at a 64-row decode), 2-core AMD EPYC, 1 thread, took 21.2-22.4 s packed against 18.4-19.2 s with
-# bgmv on AVX-512 (docs/kernels.md); on an AVX2-only EPYC a 64-row decode step took a median 11% less
-# with bgmv, 20 interleaved pairs on one engine (docs/performance.md).
+# bgmv on AVX-512 (docs/kernels.md); on an AVX2-only EPYC a 64-row decode step took 9-11% less with
+# bgmv (per-pair and overall medians), 20 interleaved pairs on one engine (docs/performance.md).
 # Without the kernel, fp32 bgmv runs on embedding_bag gathers, and keeps the N limit measured against
 # that older per-row path; its T x N limit holds either way.
 PACKED_LIMITS = {torch.float32: (1024, 160 * 1024)}  # dtype -> (max N, max T x N); with the kernel N <= 48

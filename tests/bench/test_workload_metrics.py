@@ -169,8 +169,8 @@ def test_bench_servers_queue_every_request_and_the_caller_overrides(monkeypatch,
     assert "LORAPLEX_REDIS_URL" not in env and env["OMP_WAIT_POLICY"] == "passive"
     assert env["LORAPLEX_DTYPE"] == "float32" and env["LORAPLEX_PORT"] == "8123"
     assert env["LORAPLEX_HOME"] == str(tmp_path) and env["LORAPLEX_ADMIN_KEY"] == key
-    for key in [k for k in env if k.startswith("LORAPLEX_")]:
-        monkeypatch.setenv(key, env[key])
+    for name in [k for k in env if k.startswith("LORAPLEX_")]:
+        monkeypatch.setenv(name, env[name])
     monkeypatch.delenv("LORAPLEX_REDIS_URL")
     assert Settings().max_queue_wait_s == 3600.0  # the server reads it
     assert server_environ({"LORAPLEX_MAX_QUEUE_WAIT_S": "5"}, home=tmp_path, port=1,

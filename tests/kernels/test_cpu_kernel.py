@@ -29,6 +29,12 @@ def test_builds_and_serves_the_engine_only_where_a_vector_path_takes_the_dtype(e
     assert (cpu_ext.get() is ext) == ext.avx512_available()
     assert (cpu_ext.get(torch.bfloat16) is ext) == ext.avx512_available()
     assert (cpu_ext.get(torch.float32) is ext) == (ext.avx512_available() or ext.avx2_available())
+    # the path each call takes: the widest the CPU and dtype have, capped by max_lanes
+    wide, avx2 = ext.avx512_available(), ext.avx2_available()
+    assert ext.bgmv_lanes(True, 16) == (16 if wide else 8 if avx2 else 0)
+    assert ext.bgmv_lanes(False, 16) == (16 if wide else 0)
+    assert ext.bgmv_lanes(True, 8) == (8 if avx2 else 0) and ext.bgmv_lanes(False, 8) == 0
+    assert ext.bgmv_lanes(True, 0) == 0 == ext.bgmv_lanes(False, 0)
     assert cpu_ext.module_name().startswith("loraplex_cpu_")
     assert (cpu_ext.build_root() / cpu_ext.module_name() / f"{cpu_ext.module_name()}.so").exists()
 
@@ -53,7 +59,7 @@ def _args(case):
     sid = case.meta.slot_ids.to(torch.int64)[order]
     w = case.slices[0]
     a, bt = w.A.view(-1, w.A.shape[2]), w.BT.view(-1, w.BT.shape[-1])  # what the dispatch hands the kernel
-    return case.y.clone(), case.x, order, sid, [a], [bt], [w.ranks], [0], w.page, True
+    return case.y.clone(), case.x, order, sid, [a], [bt], [w.ranks], [0], w.page, 16
 
 
 def test_refuses_rows_and_slots_out_of_range_without_writing(ext):
@@ -85,14 +91,17 @@ def test_refuses_rows_and_slots_out_of_range_without_writing(ext):
     assert torch.equal(y.view(torch.int32), before.view(torch.int32))  # bits: idle rows hold NaN
 
 
-def test_slot_buffers_skip_the_gathers_mirror_where_the_kernel_is_built(ext, monkeypatch):
-    """Buffers made by default have no AT (only the embedding_bag gathers read it): the compiled path
-    runs on them and matches the dense truth; the gathers refuse them with a clear error."""
-    if cpu_ext.get(torch.bfloat16) is None:
-        pytest.skip("no AVX-512 here: bf16 runs the gathers, so bf16 buffers keep AT")
-    case = make_case(24, "zipf", 8, torch.bfloat16, 64, [48, 16], "zero", seed=5, page=8)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_slot_buffers_skip_the_gathers_mirror_where_the_kernel_is_built(ext, monkeypatch, dtype):
+    """Buffers made by default have no AT where the kernel runs their dtype (only the embedding_bag
+    gathers read it): the compiled path runs on them and matches the dense truth; the gathers refuse
+    them with a clear error. Elsewhere (bf16 without AVX-512) they keep AT."""
+    case = make_case(24, "zipf", 8, dtype, 64, [48, 16], "zero", seed=5, page=8)
     plain = LoRAWeights.empty_group(*case.slices[0].A.shape[:3], [w.B.shape[1] for w in case.slices],
-                                    torch.bfloat16, "cpu", page=8)
+                                    dtype, "cpu", page=8)
+    if cpu_ext.get(dtype) is None:
+        assert all(w.AT is not None for w in plain)
+        pytest.skip(f"no vector path here for {dtype}: it runs the gathers, so its buffers keep AT")
     assert all(w.AT is None and w.BT is not None for w in plain)
     for w, full in zip(plain, case.slices, strict=True):
         for s, r in enumerate(full.ranks_list):

@@ -14,20 +14,22 @@ from loraplex.kernels.weights import LoRAWeights
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def _bgmv(enabled: bool, vectorized: bool = True):
-    """add_lora_bgmv in the compiled kernel (its vector path: AVX-512, or AVX2 for fp32; or its scalar path) or on embedding_bag."""
+def _bgmv(enabled: bool, max_lanes: int = 16):
+    """add_lora_bgmv in the compiled kernel, its path capped at max_lanes (16: AVX-512 where the CPU has
+    it; 8: AVX2, fp32 only, on AVX-512 CPUs too; 0: scalar; a path the CPU or dtype lacks runs the next
+    one down), or on embedding_bag."""
     def run(*args):
-        saved = cpu_ext.enabled, cpu_ext.vectorized
-        cpu_ext.enabled, cpu_ext.vectorized = enabled, vectorized
+        saved = cpu_ext.enabled, cpu_ext.max_lanes
+        cpu_ext.enabled, cpu_ext.max_lanes = enabled, max_lanes
         try:
             return add_lora_bgmv(*args)
         finally:
-            cpu_ext.enabled, cpu_ext.vectorized = saved
+            cpu_ext.enabled, cpu_ext.max_lanes = saved
     return run
 
 
 PATHS = {"segmented": add_lora_segmented, "packed": add_lora_packed, "bgmv": _bgmv(True),
-         "bgmv_scalar": _bgmv(True, vectorized=False), "bgmv_gather": _bgmv(False),
+         "bgmv_avx2": _bgmv(True, max_lanes=8), "bgmv_scalar": _bgmv(True, max_lanes=0), "bgmv_gather": _bgmv(False),
          "dense_segments": add_lora_dense_segments}
 
 
@@ -85,23 +87,30 @@ def test_dispatch_auto_and_forced(monkeypatch):
         lora_ops.set_backend("cublas")
 
 
+# kernel: the CPU the compiled BGMV kernel runs on ("avx512": every dtype; "avx2": fp32 only), or None
 @pytest.mark.parametrize("dtype, num_tokens, num_adapters, mirrors, kernel, expected", [
-    (torch.bfloat16, 64, 6, True, True, "packed"),  # N = 48
-    (torch.bfloat16, 64, 8, True, True, "bgmv"),  # N = 64
-    (torch.bfloat16, 64, 64, True, True, "bgmv"),  # N = 512: each row reads only its own adapter
-    (torch.float32, 64, 6, True, True, "packed"),  # fp32 where the compiled BGMV kernel runs: as bf16
-    (torch.float32, 64, 7, True, True, "bgmv"),  # N = 56
-    (torch.float32, 64, 16, True, True, "bgmv"),  # N = 128: the vllm preset's decode steps
-    (torch.float32, 4096, 6, True, True, "bgmv"),  # N = 48 but T x N = 192K: fp32's own T x N limit
-    (torch.float32, 2048, 12, True, False, "bgmv"),  # fp32 on the gathers: N = 96 but T x N = 192K
-    (torch.float32, 16, 12, True, False, "packed"),  # fp32 on the gathers: up to N = 1024
-    (torch.bfloat16, 64, 64, False, True, "segmented"),  # slot buffers without the CPU mirrors
+    (torch.bfloat16, 64, 6, True, "avx512", "packed"),  # N = 48
+    (torch.bfloat16, 64, 8, True, "avx512", "bgmv"),  # N = 64
+    (torch.bfloat16, 64, 64, True, "avx512", "bgmv"),  # N = 512: each row reads only its own adapter
+    (torch.float32, 64, 6, True, "avx512", "packed"),  # fp32 where the compiled BGMV kernel runs: as bf16
+    (torch.float32, 64, 7, True, "avx512", "bgmv"),  # N = 56
+    (torch.float32, 64, 16, True, "avx512", "bgmv"),  # N = 128: the vllm preset's decode steps
+    (torch.float32, 64, 16, True, "avx2", "bgmv"),  # the same on an AVX2-only CPU (its 8-lane fp32 path)
+    (torch.float32, 64, 16, True, None, "packed"),  # without the kernel: fp32 stays packed up to N = 1024
+    (torch.float32, 4096, 6, True, "avx512", "bgmv"),  # N = 48 but T x N = 192K: fp32's own T x N limit
+    (torch.float32, 2048, 12, True, None, "bgmv"),  # fp32 on the gathers: N = 96 but T x N = 192K
+    (torch.float32, 16, 12, True, None, "packed"),  # fp32 on the gathers: up to N = 1024
+    (torch.bfloat16, 64, 64, False, "avx512", "segmented"),  # slot buffers without the CPU mirrors
 ])
 def test_auto_picks_the_cpu_path_measured_fastest(monkeypatch, dtype, num_tokens, num_adapters, mirrors, kernel,
                                                   expected):
     monkeypatch.setattr(lora_ops, "_backend", "auto")
-    kernel_or_none = (lambda dtype=None: cpu_ext.load()) if kernel else (lambda dtype=None: None)
-    monkeypatch.setattr(lora_ops.cpu_ext, "get", kernel_or_none)
+
+    def get(dtype=None):  # what cpu_ext.get answers on that CPU, for the dtype it is asked about
+        runs = kernel == "avx512" or (kernel == "avx2" and dtype == torch.float32)
+        return cpu_ext.load() if runs else None
+
+    monkeypatch.setattr(lora_ops.cpu_ext, "get", get)
     if dtype == torch.float32 and kernel and cpu_ext.load() is None:
         pytest.fail("the CPU kernels must build here (CI has a compiler)")
     # a CPU step on every machine: the choice among CPU paths is made for CPU tensors only

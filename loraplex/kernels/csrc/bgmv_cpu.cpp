@@ -21,7 +21,8 @@
 // vector paths are picked at run time: AVX-512 for every dtype, else AVX2 + FMA for fp32 (8 lanes; on a
 // 2-core AVX2-only EPYC the gathers took 24% of a 64-row decode step with 16 adapters,
 // docs/performance.md). The scalar path is the same arithmetic, about 5x slower than the gathers, so
-// `cpu_ext.get` offers the kernel only where a vector path takes the dtype; the tests run every path.
+// `cpu_ext.get` offers the kernel only where a vector path takes the dtype. `max_lanes` caps the path
+// (16, 8, 0: `cpu_ext.max_lanes`), so the tests run every path the CPU has, AVX2 on an AVX-512 CPU too.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -376,10 +377,18 @@ bool has_avx512_bf16() { return false; }
 bool has_avx2() { return false; }
 #endif
 
+// The lanes of the path `run` takes: 16 (AVX-512, any dtype) where the CPU has it and max_lanes >= 16,
+// else 8 (AVX2 + FMA, fp32 only) where the CPU has it and max_lanes >= 8, else 0 (scalar).
+int64_t lanes_for(bool fp32, int64_t max_lanes) {
+  if (max_lanes >= 16 && has_avx512()) return 16;
+  if (max_lanes >= 8 && fp32 && has_avx2()) return 8;
+  return 0;
+}
+
 template <typename T>
 void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& order, const at::Tensor& sid,
          const std::vector<at::Tensor>& A, const std::vector<at::Tensor>& BT, const std::vector<at::Tensor>& ranks,
-         const std::vector<int64_t>& offsets, int64_t page, bool vec) {
+         const std::vector<int64_t>& offsets, int64_t page, int64_t lanes) {
   Problem<T> p;
   p.x = x.data_ptr<T>();
   p.y = y.data_ptr<T>();
@@ -400,9 +409,9 @@ void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& order, const at::
   const int64_t grain = std::max<int64_t>(1, (n + at::get_num_threads() - 1) / at::get_num_threads());
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
 #ifdef LORAPLEX_X86
-    if (vec && has_avx512()) return rows_avx512(p, begin, end, has_avx512_bf16());
+    if (lanes == 16) return rows_avx512(p, begin, end, has_avx512_bf16());
     if constexpr (std::is_same_v<T, float>) {
-      if (vec && has_avx2()) return rows_avx2(p, begin, end);
+      if (lanes == 8) return rows_avx2(p, begin, end);
     }
 #endif
     rows_scalar(p, begin, end);
@@ -414,10 +423,11 @@ void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& order, const at::
 bool avx512_available() { return has_avx512(); }
 bool avx2_available() { return has_avx2(); }
 bool avx512_bf16_available() { return has_avx512() && has_avx512_bf16(); }
+int64_t bgmv_lanes(bool fp32, int64_t max_lanes) { return lanes_for(fp32, max_lanes); }
 
 void bgmv(at::Tensor y, at::Tensor x, at::Tensor order, at::Tensor sid, std::vector<at::Tensor> A,
           std::vector<at::Tensor> BT, std::vector<at::Tensor> ranks, std::vector<int64_t> offsets, int64_t page,
-          bool vec) {
+          int64_t max_lanes) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, "bgmv: unsupported dtype ", dtype);
   TORCH_CHECK(x.device().is_cpu() && y.device().is_cpu() && order.device().is_cpu() && sid.device().is_cpu(),
@@ -458,8 +468,8 @@ void bgmv(at::Tensor y, at::Tensor x, at::Tensor order, at::Tensor sid, std::vec
     }
   }
   pybind11::gil_scoped_release no_gil;  // other Python threads (the server's event loop) run meanwhile
-  vec = vec && (has_avx512() || (dtype == at::kFloat && has_avx2()));
-  if (dtype == at::kBFloat16) run<c10::BFloat16>(y, x, order, sid, A, BT, ranks, offsets, page, vec);
-  else if (dtype == at::kHalf) run<c10::Half>(y, x, order, sid, A, BT, ranks, offsets, page, vec);
-  else run<float>(y, x, order, sid, A, BT, ranks, offsets, page, vec);
+  const int64_t lanes = lanes_for(dtype == at::kFloat, max_lanes);
+  if (dtype == at::kBFloat16) run<c10::BFloat16>(y, x, order, sid, A, BT, ranks, offsets, page, lanes);
+  else if (dtype == at::kHalf) run<c10::Half>(y, x, order, sid, A, BT, ranks, offsets, page, lanes);
+  else run<float>(y, x, order, sid, A, BT, ranks, offsets, page, lanes);
 }

@@ -9,7 +9,8 @@ bool avx512_bf16_available();
 bool avx2_available();
 void bgmv(at::Tensor y, at::Tensor x, at::Tensor order, at::Tensor sid, std::vector<at::Tensor> A,
           std::vector<at::Tensor> BT, std::vector<at::Tensor> ranks, std::vector<int64_t> offsets, int64_t page,
-          bool vec);
+          int64_t max_lanes);
+int64_t bgmv_lanes(bool fp32, int64_t max_lanes);
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor tiles, int64_t block_size, double scale);
 void rope_inplace(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim);
@@ -24,6 +25,7 @@ at::Tensor packed_gemm_linear(const at::Tensor& x, const at::Tensor& packed, int
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bgmv", &bgmv, "Multi-adapter LoRA, one adapter per row, in place on y (see bgmv_cpu.cpp)");
   m.def("avx512_available", &avx512_available, "Whether this CPU runs the AVX-512 path");
+  m.def("bgmv_lanes", &bgmv_lanes, "The lanes of the path bgmv takes for fp32 or not, capped at max_lanes: 16, 8 or 0");
   m.def("avx2_available", &avx2_available, "Whether this CPU runs the AVX2 path (fp32 only) where it has no AVX-512");
   m.def("avx512_bf16_available", &avx512_bf16_available, "Whether its bf16 shrink multiplies bf16 pairs");
   m.def("paged_attention", &paged_attention,
