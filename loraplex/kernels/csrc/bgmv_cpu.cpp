@@ -20,9 +20,13 @@
 // (vdpbf16ps, what oneDNN's bf16 GEMMs use on such CPUs; it flushes bf16 subnormals to zero). The
 // vector paths are picked at run time: AVX-512 for every dtype, else AVX2 + FMA for fp32 (8 lanes; on a
 // 2-core AVX2-only EPYC, a 64-row decode step with 16 rank-8 adapters took 9-11% less on it than on the
-// packed path that fp32 took there before, docs/performance.md). The scalar path is the same arithmetic, about 5x slower than the gathers, so
-// `cpu_ext.get` offers the kernel only where a vector path takes the dtype. `max_lanes` caps the path
-// (16, 8, 0: `cpu_ext.max_lanes`), so the tests run every path the CPU has, AVX2 on an AVX-512 CPU too.
+// packed path that fp32 took there before, docs/performance.md). The scalar path is the same
+// arithmetic, about 5x slower than the gathers, so `cpu_ext.get` offers the kernel only where a vector
+// path takes the dtype. `max_lanes` caps the path (16, 8, 0: `cpu_ext.max_lanes`), so the tests run
+// every path the CPU has, AVX2 on an AVX-512 CPU too.
+// Every path runs one loop (`rows`); the vector paths' row loops are written once (bgmv_rows.inc) and
+// compiled once per width, in a namespace with that width's intrinsics and target attribute (w16, w8),
+// since GCC does not inline an intrinsic into a function compiled for another target.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -51,48 +55,102 @@ struct Problem {
   std::vector<int64_t> h_out, offsets;
 };
 
-// ---- scalar path ----
-
-template <typename T>
-void rows_scalar(const Problem<T>& p, int64_t begin, int64_t end) {
-  std::vector<float> xf(p.h_in), v;
-  for (int64_t q = begin; q < end; ++q) {
-    const int64_t t = p.order[q], s = p.sid[q];
-    const T* xr = p.x + t * p.x_stride;
-    for (int64_t h = 0; h < p.h_in; ++h) xf[h] = float(xr[h]);
-    for (size_t i = 0; i < p.a.size(); ++i) {
-      const int64_t r = p.ranks[i][s];
-      if (r <= 0) continue;
-      v.assign(r, 0.f);
-      const T* a = p.a[i] + s * p.page * p.h_in;
-      for (int64_t j = 0; j < r; ++j) {
-        float acc = 0.f;
-        for (int64_t h = 0; h < p.h_in; ++h) acc += xf[h] * float(a[j * p.h_in + h]);
-        v[j] = float(T(acc));
+// ---- one loop for every path ----
+// Path: a path's row work (Scalar, Avx512, Avx2 below), static functions; the vector paths' carry their
+// target attribute, so this loop, compiled for the baseline, calls them rather than inlining them:
+//   x_fp32(xr, buf, h) -> xf: the row xr in fp32 (xr itself for fp32, else converted into buf [h]);
+//   shrink(xr, xf, a, h, r, v, bf16_pairs): v[j] = sum_h xf[h] a[j, h] for j < r, in fp32;
+//   expand(v, b, r, n, y): y[c] = T(y[c] + T(sum_j v[j] b[j, c])) for c < n;
+//   touch(ptr, bytes): bring the bytes into cache (nothing on the scalar path).
+// Rows go in segments of one virtual slot each (`order` groups them by adapter); before a segment
+// computes, the next one's weights are touched.
+template <typename T, typename Path>
+void rows(const Problem<T>& p, int64_t begin, int64_t end, bool bf16_pairs) {
+  const size_t k = p.a.size();
+  std::vector<float> buf(p.h_in), v;
+  std::vector<int64_t> starts;  // first row of each segment in [begin, end)
+  for (int64_t q = begin; q < end; ++q)
+    if (q == begin || p.sid[q] != p.sid[q - 1]) starts.push_back(q);
+  const int64_t num_segments = starts.size();
+  starts.push_back(end);
+  for (int64_t g = 0; g < num_segments; ++g) {
+    if (g + 1 < num_segments) {  // the next slot's A rows and BT rows of every slice
+      const int64_t s = p.sid[starts[g + 1]];
+      for (size_t i = 0; i < k; ++i) {
+        const int64_t r = p.ranks[i][s];
+        if (r <= 0) continue;
+        Path::touch(p.a[i] + s * p.page * p.h_in, r * p.h_in * int64_t(sizeof(T)));
+        Path::touch(p.bt[i] + s * p.page * p.h_out[i], r * p.h_out[i] * int64_t(sizeof(T)));
       }
-      const int64_t ho = p.h_out[i];
-      const T* b = p.bt[i] + s * p.page * ho;
-      T* yr = p.y + t * p.y_stride + p.offsets[i];
-      for (int64_t c = 0; c < ho; ++c) {
-        float acc = 0.f;
-        for (int64_t j = 0; j < r; ++j) acc += v[j] * float(b[j * ho + c]);
-        yr[c] = T(float(yr[c]) + float(T(acc)));
+    }
+    const int64_t s = p.sid[starts[g]];
+    for (int64_t q = starts[g]; q < starts[g + 1]; ++q) {
+      const int64_t t = p.order[q];
+      const T* xr = p.x + t * p.x_stride;
+      const float* xf = Path::x_fp32(xr, buf.data(), p.h_in);
+      for (size_t i = 0; i < k; ++i) {
+        const int64_t r = p.ranks[i][s];
+        if (r <= 0) continue;
+        v.resize(r);
+        Path::shrink(xr, xf, p.a[i] + s * p.page * p.h_in, p.h_in, r, v.data(), bf16_pairs);
+        for (int64_t j = 0; j < r; ++j) v[j] = float(T(v[j]));
+        Path::expand(v.data(), p.bt[i] + s * p.page * p.h_out[i], r, p.h_out[i], p.y + t * p.y_stride + p.offsets[i]);
       }
     }
   }
 }
 
+// ---- scalar path: the same arithmetic, one value at a time ----
+
+struct Scalar {
+  template <typename T>
+  static const float* x_fp32(const T* xr, float* buf, int64_t h) {
+    for (int64_t c = 0; c < h; ++c) buf[c] = float(xr[c]);
+    return buf;
+  }
+  static const float* x_fp32(const float* xr, float*, int64_t) { return xr; }
+  template <typename T>
+  static void shrink(const T*, const float* xf, const T* a, int64_t h, int64_t r, float* v, bool) {
+    for (int64_t j = 0; j < r; ++j) {
+      float acc = 0.f;
+      for (int64_t c = 0; c < h; ++c) acc += xf[c] * float(a[j * h + c]);
+      v[j] = acc;
+    }
+  }
+  template <typename T>
+  static void expand(const float* v, const T* b, int64_t r, int64_t n, T* y) {
+    for (int64_t c = 0; c < n; ++c) {
+      float acc = 0.f;
+      for (int64_t j = 0; j < r; ++j) acc += v[j] * float(b[j * n + c]);
+      y[c] = T(float(y[c]) + float(T(acc)));
+    }
+  }
+  static void touch(const void*, int64_t) {}
+};
+
 #ifdef LORAPLEX_X86
 // ---- AVX-512 path: 16 fp32 lanes, loads and stores converting from / to the storage type ----
 
-LORAPLEX_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-LORAPLEX_AVX512 inline __m512 load16(const c10::BFloat16* p) {
+namespace w16 {
+#define LORAPLEX_ROWS LORAPLEX_AVX512
+constexpr int64_t W = 16;
+using vf = __m512;
+
+LORAPLEX_ROWS inline vf vzero() { return _mm512_setzero_ps(); }
+LORAPLEX_ROWS inline vf vset1(float x) { return _mm512_set1_ps(x); }
+LORAPLEX_ROWS inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+LORAPLEX_ROWS inline vf vor(vf a, vf b) { return _mm512_or_ps(a, b); }
+LORAPLEX_ROWS inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+LORAPLEX_ROWS inline float vreduce(vf v) { return _mm512_reduce_add_ps(v); }
+
+LORAPLEX_ROWS inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+LORAPLEX_ROWS inline vf vload(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
-LORAPLEX_AVX512 inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+LORAPLEX_ROWS inline vf vload(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 
 // fp32 -> bf16 bits, round to nearest even, NaN -> 0x7FC0 (c10::BFloat16's conversion)
-LORAPLEX_AVX512 inline __m256i bf16_bits(__m512 v) {
+LORAPLEX_ROWS inline __m256i bf16_bits(vf v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
                                         _mm512_set1_epi32(0x7FFF));
@@ -100,67 +158,21 @@ LORAPLEX_AVX512 inline __m256i bf16_bits(__m512 v) {
   r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
   return _mm512_cvtepi32_epi16(r);
 }
-LORAPLEX_AVX512 inline __m256i f16_bits(__m512 v) {
-  return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
+LORAPLEX_ROWS inline __m256i f16_bits(vf v) { return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 
-LORAPLEX_AVX512 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-LORAPLEX_AVX512 inline void store16(c10::BFloat16* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, bf16_bits(v)); }
-LORAPLEX_AVX512 inline void store16(c10::Half* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, f16_bits(v)); }
+LORAPLEX_ROWS inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+LORAPLEX_ROWS inline void vstore(c10::BFloat16* p, vf v) { _mm256_storeu_si256((__m256i*)p, bf16_bits(v)); }
+LORAPLEX_ROWS inline void vstore(c10::Half* p, vf v) { _mm256_storeu_si256((__m256i*)p, f16_bits(v)); }
 
 // v rounded to the storage type and back (identity for fp32)
-LORAPLEX_AVX512 inline __m512 round16(__m512 v, const float*) { return v; }
-LORAPLEX_AVX512 inline __m512 round16(__m512 v, const c10::BFloat16*) {
+LORAPLEX_ROWS inline vf vround(vf v, const float*) { return v; }
+LORAPLEX_ROWS inline vf vround(vf v, const c10::BFloat16*) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16));
 }
-LORAPLEX_AVX512 inline __m512 round16(__m512 v, const c10::Half*) { return _mm512_cvtph_ps(f16_bits(v)); }
+LORAPLEX_ROWS inline vf vround(vf v, const c10::Half*) { return _mm512_cvtph_ps(f16_bits(v)); }
 
-// Reads `bytes` from ptr and drops them: brings them into cache before the compute's loads.
-LORAPLEX_AVX512 inline void touch(const void* ptr, int64_t bytes) {
-  const char* c = static_cast<const char*>(ptr);
-  __m512i acc = _mm512_setzero_si512();
-  for (int64_t b = 0; b + 64 <= bytes; b += 64) acc = _mm512_or_si512(acc, _mm512_loadu_si512(c + b));
-  asm volatile("" : : "v"(acc));
-}
-
-// v[0..3] = the lane sums of s0..s3 plus rows a0, a0 + h, ... times xf over columns hv .. h - 1 (the
-// tail the vector loop left)
-template <typename T>
-LORAPLEX_AVX512 inline void finish4(__m512 s0, __m512 s1, __m512 s2, __m512 s3, const float* xf, const T* a0,
-                                    int64_t h, int64_t hv, float* v) {
-  float t[4] = {_mm512_reduce_add_ps(s0), _mm512_reduce_add_ps(s1), _mm512_reduce_add_ps(s2),
-                _mm512_reduce_add_ps(s3)};
-  for (int i = 0; i < 4; ++i)
-    for (int64_t c = hv; c < h; ++c) t[i] += xf[c] * float(a0[i * h + c]);
-  for (int i = 0; i < 4; ++i) v[i] = t[i];
-}
-
-// v[j] = sum_h xf[h] a[j, h] for j < r (rows of a h apart), four rows at a time sharing each x load
-template <typename T>
-LORAPLEX_AVX512 void shrink_row(const float* xf, const T* a, int64_t h, int64_t r, float* v) {
-  const int64_t hv = h - h % 16;
-  int64_t j = 0;
-  for (; j + 4 <= r; j += 4) {
-    const T *a0 = a + j * h, *a1 = a0 + h, *a2 = a1 + h, *a3 = a2 + h;
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    for (int64_t c = 0; c < hv; c += 16) {
-      const __m512 xv = _mm512_loadu_ps(xf + c);
-      s0 = _mm512_fmadd_ps(load16(a0 + c), xv, s0);
-      s1 = _mm512_fmadd_ps(load16(a1 + c), xv, s1);
-      s2 = _mm512_fmadd_ps(load16(a2 + c), xv, s2);
-      s3 = _mm512_fmadd_ps(load16(a3 + c), xv, s3);
-    }
-    finish4(s0, s1, s2, s3, xf, a0, h, hv, v + j);
-  }
-  for (; j < r; ++j) {
-    const T* a0 = a + j * h;
-    __m512 s0 = _mm512_setzero_ps();
-    for (int64_t c = 0; c < hv; c += 16) s0 = _mm512_fmadd_ps(load16(a0 + c), _mm512_loadu_ps(xf + c), s0);
-    float t0 = _mm512_reduce_add_ps(s0);
-    for (int64_t c = hv; c < h; ++c) t0 += xf[c] * float(a0[c]);
-    v[j] = t0;
-  }
-}
+#include "bgmv_rows.inc"
+#undef LORAPLEX_ROWS
 
 #define LORAPLEX_AVX512_BF16 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512bf16")))
@@ -186,165 +198,62 @@ LORAPLEX_AVX512_BF16 __attribute__((noinline)) void shrink_row_bf16(const c10::B
   }
   if (j < r) shrink_row(xf, a + j * h, h, r - j, v + j);
 }
+}  // namespace w16
 
-// y[c] = T(y[c] + T(sum_j v[j] b[j, c])) for c < n (rows of b n apart)
-template <typename T>
-LORAPLEX_AVX512 void expand_row(const float* v, const T* b, int64_t r, int64_t n, T* y) {
-  const int64_t nv = n - n % 16;
-  for (int64_t c = 0; c < nv; c += 16) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t j = 0; j < r; ++j) acc = _mm512_fmadd_ps(_mm512_set1_ps(v[j]), load16(b + j * n + c), acc);
-    store16(y + c, _mm512_add_ps(load16(y + c), round16(acc, y)));
+struct Avx512 {
+  template <typename T>
+  static const float* x_fp32(const T* xr, float* buf, int64_t h) {
+    w16::to_fp32(xr, buf, h);
+    return buf;
   }
-  for (int64_t c = nv; c < n; ++c) {
-    float acc = 0.f;
-    for (int64_t j = 0; j < r; ++j) acc += v[j] * float(b[j * n + c]);
-    y[c] = T(float(y[c]) + float(T(acc)));
-  }
-}
-
-template <typename T>
-LORAPLEX_AVX512 void rows_avx512(const Problem<T>& p, int64_t begin, int64_t end, bool bf16_pairs) {
-  const size_t k = p.a.size();
-  std::vector<float> xf(p.h_in), v;
-  auto fetch = [&](int64_t s) {  // this slot's A rows and BT rows of every slice
-    for (size_t i = 0; i < k; ++i) {
-      const int64_t r = p.ranks[i][s];
-      if (r <= 0) continue;
-      touch(p.a[i] + s * p.page * p.h_in, r * p.h_in * int64_t(sizeof(T)));
-      touch(p.bt[i] + s * p.page * p.h_out[i], r * p.h_out[i] * int64_t(sizeof(T)));
+  static const float* x_fp32(const float* xr, float*, int64_t) { return xr; }
+  template <typename T>
+  static void shrink(const T* xr, const float* xf, const T* a, int64_t h, int64_t r, float* v, bool bf16_pairs) {
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (bf16_pairs) return w16::shrink_row_bf16(xr, xf, a, h, r, v);
     }
-  };
-  std::vector<int64_t> starts;  // first row of each segment in [begin, end)
-  for (int64_t q = begin; q < end; ++q)
-    if (q == begin || p.sid[q] != p.sid[q - 1]) starts.push_back(q);
-  const int64_t num_segments = starts.size();
-  starts.push_back(end);
-  for (int64_t g = 0; g < num_segments; ++g) {
-    if (g + 1 < num_segments) fetch(p.sid[starts[g + 1]]);
-    const int64_t s = p.sid[starts[g]];
-    for (int64_t q = starts[g]; q < starts[g + 1]; ++q) {
-      const int64_t t = p.order[q];
-      const T* xr = p.x + t * p.x_stride;
-      const int64_t hv = p.h_in - p.h_in % 16;
-      for (int64_t h = 0; h < hv; h += 16) _mm512_storeu_ps(xf.data() + h, load16(xr + h));
-      for (int64_t h = hv; h < p.h_in; ++h) xf[h] = float(xr[h]);
-      for (size_t i = 0; i < k; ++i) {
-        const int64_t r = p.ranks[i][s];
-        if (r <= 0) continue;
-        v.resize(r);
-        const T* a = p.a[i] + s * p.page * p.h_in;
-        if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          if (bf16_pairs) shrink_row_bf16(xr, xf.data(), a, p.h_in, r, v.data());
-          else shrink_row(xf.data(), a, p.h_in, r, v.data());
-        } else {
-          shrink_row(xf.data(), a, p.h_in, r, v.data());
-        }
-        for (int64_t j = 0; j < r; ++j) v[j] = float(T(v[j]));
-        expand_row(v.data(), p.bt[i] + s * p.page * p.h_out[i], r, p.h_out[i], p.y + t * p.y_stride + p.offsets[i]);
-      }
-    }
+    w16::shrink_row(xf, a, h, r, v);
   }
-}
+  template <typename T>
+  static void expand(const float* v, const T* b, int64_t r, int64_t n, T* y) { w16::expand_row(v, b, r, n, y); }
+  static void touch(const void* ptr, int64_t bytes) { w16::touch(ptr, bytes); }
+};
 
 // ---- AVX2 path (fp32 only): 8 lanes, for CPUs without AVX-512 ----
-// The same loops as the AVX-512 path on 8-lane registers. Only fp32: bf16 on such a CPU is slow in every
-// kernel (its GEMMs run at about 1 GFLOP/s), so dtype "auto" serves fp32 there and bf16/fp16 steps keep
-// the embedding_bag gathers.
+// Only fp32: bf16 on such a CPU is slow in every kernel (its GEMMs run at about 1 GFLOP/s), so dtype
+// "auto" serves fp32 there and bf16/fp16 steps keep the embedding_bag gathers.
 
-#define LORAPLEX_AVX2 __attribute__((target("avx2,fma")))
+namespace w8 {
+#define LORAPLEX_ROWS __attribute__((target("avx2,fma")))
+constexpr int64_t W = 8;
+using vf = __m256;
 
-LORAPLEX_AVX2 inline float reduce8(__m256 v) {
+LORAPLEX_ROWS inline vf vzero() { return _mm256_setzero_ps(); }
+LORAPLEX_ROWS inline vf vset1(float x) { return _mm256_set1_ps(x); }
+LORAPLEX_ROWS inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+LORAPLEX_ROWS inline vf vor(vf a, vf b) { return _mm256_or_ps(a, b); }
+LORAPLEX_ROWS inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+LORAPLEX_ROWS inline float vreduce(vf v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
+LORAPLEX_ROWS inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+LORAPLEX_ROWS inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+LORAPLEX_ROWS inline vf vround(vf v, const float*) { return v; }
 
-LORAPLEX_AVX2 inline void touch8(const void* ptr, int64_t bytes) {
-  const char* c = static_cast<const char*>(ptr);
-  __m256i acc = _mm256_setzero_si256();
-  for (int64_t b = 0; b + 32 <= bytes; b += 64) acc = _mm256_or_si256(acc, _mm256_loadu_si256((const __m256i*)(c + b)));
-  asm volatile("" : : "x"(acc));
-}
+#include "bgmv_rows.inc"
+#undef LORAPLEX_ROWS
+}  // namespace w8
 
-// v[j] = sum_h xf[h] a[j, h] for j < r, four rows at a time sharing each x load (shrink_row on 8 lanes)
-LORAPLEX_AVX2 void shrink_row8(const float* xf, const float* a, int64_t h, int64_t r, float* v) {
-  const int64_t hv = h - h % 8;
-  int64_t j = 0;
-  for (; j + 4 <= r; j += 4) {
-    const float *a0 = a + j * h, *a1 = a0 + h, *a2 = a1 + h, *a3 = a2 + h;
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    for (int64_t c = 0; c < hv; c += 8) {
-      const __m256 xv = _mm256_loadu_ps(xf + c);
-      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a0 + c), xv, s0);
-      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a1 + c), xv, s1);
-      s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a2 + c), xv, s2);
-      s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a3 + c), xv, s3);
-    }
-    float t[4] = {reduce8(s0), reduce8(s1), reduce8(s2), reduce8(s3)};
-    for (int i = 0; i < 4; ++i) {
-      for (int64_t c = hv; c < h; ++c) t[i] += xf[c] * a0[i * h + c];
-      v[j + i] = t[i];
-    }
+struct Avx2 {
+  static const float* x_fp32(const float* xr, float*, int64_t) { return xr; }
+  static void shrink(const float*, const float* xf, const float* a, int64_t h, int64_t r, float* v, bool) {
+    w8::shrink_row(xf, a, h, r, v);
   }
-  for (; j < r; ++j) {
-    const float* a0 = a + j * h;
-    __m256 s0 = _mm256_setzero_ps();
-    for (int64_t c = 0; c < hv; c += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a0 + c), _mm256_loadu_ps(xf + c), s0);
-    float t0 = reduce8(s0);
-    for (int64_t c = hv; c < h; ++c) t0 += xf[c] * a0[c];
-    v[j] = t0;
-  }
-}
-
-// y[c] += sum_j v[j] b[j, c] for c < n (expand_row on 8 lanes)
-LORAPLEX_AVX2 void expand_row8(const float* v, const float* b, int64_t r, int64_t n, float* y) {
-  const int64_t nv = n - n % 8;
-  for (int64_t c = 0; c < nv; c += 8) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t j = 0; j < r; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(v[j]), _mm256_loadu_ps(b + j * n + c), acc);
-    _mm256_storeu_ps(y + c, _mm256_add_ps(_mm256_loadu_ps(y + c), acc));
-  }
-  for (int64_t c = nv; c < n; ++c) {
-    float acc = 0.f;
-    for (int64_t j = 0; j < r; ++j) acc += v[j] * b[j * n + c];
-    y[c] = y[c] + acc;
-  }
-}
-
-// rows_avx512 for fp32 on 8 lanes: segments in adapter order, the next segment's weights touched first
-LORAPLEX_AVX2 void rows_avx2(const Problem<float>& p, int64_t begin, int64_t end) {
-  const size_t k = p.a.size();
-  std::vector<float> v;
-  std::vector<int64_t> starts;  // first row of each segment in [begin, end)
-  for (int64_t q = begin; q < end; ++q)
-    if (q == begin || p.sid[q] != p.sid[q - 1]) starts.push_back(q);
-  const int64_t num_segments = starts.size();
-  starts.push_back(end);
-  for (int64_t g = 0; g < num_segments; ++g) {
-    if (g + 1 < num_segments) {
-      const int64_t s = p.sid[starts[g + 1]];
-      for (size_t i = 0; i < k; ++i) {
-        const int64_t r = p.ranks[i][s];
-        if (r <= 0) continue;
-        touch8(p.a[i] + s * p.page * p.h_in, r * p.h_in * int64_t(sizeof(float)));
-        touch8(p.bt[i] + s * p.page * p.h_out[i], r * p.h_out[i] * int64_t(sizeof(float)));
-      }
-    }
-    const int64_t s = p.sid[starts[g]];
-    for (int64_t q = starts[g]; q < starts[g + 1]; ++q) {
-      const int64_t t = p.order[q];
-      const float* xr = p.x + t * p.x_stride;
-      for (size_t i = 0; i < k; ++i) {
-        const int64_t r = p.ranks[i][s];
-        if (r <= 0) continue;
-        v.resize(r);
-        shrink_row8(xr, p.a[i] + s * p.page * p.h_in, p.h_in, r, v.data());
-        expand_row8(v.data(), p.bt[i] + s * p.page * p.h_out[i], r, p.h_out[i], p.y + t * p.y_stride + p.offsets[i]);
-      }
-    }
-  }
-}
+  static void expand(const float* v, const float* b, int64_t r, int64_t n, float* y) { w8::expand_row(v, b, r, n, y); }
+  static void touch(const void* ptr, int64_t bytes) { w8::touch(ptr, bytes); }
+};
 
 bool has_avx2() {
   static const bool yes = [] {
@@ -409,12 +318,12 @@ void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& order, const at::
   const int64_t grain = std::max<int64_t>(1, (n + at::get_num_threads() - 1) / at::get_num_threads());
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
 #ifdef LORAPLEX_X86
-    if (lanes == 16) return rows_avx512(p, begin, end, has_avx512_bf16());
+    if (lanes == 16) return rows<T, Avx512>(p, begin, end, has_avx512_bf16());
     if constexpr (std::is_same_v<T, float>) {
-      if (lanes == 8) return rows_avx2(p, begin, end);
+      if (lanes == 8) return rows<T, Avx2>(p, begin, end, false);
     }
 #endif
-    rows_scalar(p, begin, end);
+    rows<T, Scalar>(p, begin, end, false);
   });
 }
 
