@@ -103,14 +103,26 @@ class Timers:
             del engine.model.forward
 
 
+def decode_out_len(rows: int, context: int, steps: int, chunk: int) -> int:
+    """Output tokens each of `rows` requests (of `context` prompt tokens, arriving at once) asks for so that
+    all of them still decode together for `steps` steps after the last prefill. A request whose prefill is
+    done decodes in each later prefill step, so a shorter output ends before the timed steps: with
+    steps + 8 tokens, what this profile asked for until 2026-12-05, 8 timed steps of "64 rows" of 170
+    tokens decoded 224 rows in all, 28 a step. The prefills take at most rows x context / (chunk - rows)
+    steps: each step's `chunk` tokens go first to the decodes, at most `rows` of them."""
+    return steps + 2 + -(-rows * context // max(1, chunk - rows))
+
+
 def steady_decode(llm, rows: int, context: int, adapters: list[str] | None, steps: int) -> tuple[Timers, float]:
-    """`rows` requests prefilled to `context` tokens, then `steps` decode steps timed; (timers, step s)."""
+    """`rows` requests prefilled to `context` tokens, then `steps` decode steps timed; (timers, step s).
+    Raises RuntimeError if a timed step did not decode all `rows` requests."""
     from loraplex.engine.sampling_params import SamplingParams
 
     engine = llm.engine
     gen = torch.Generator().manual_seed(rows)
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    out_len = decode_out_len(rows, context, steps, engine.config.max_num_batched_tokens)
+    params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
     ids = []
     for i in range(rows):
         prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
@@ -121,15 +133,19 @@ def steady_decode(llm, rows: int, context: int, adapters: list[str] | None, step
         engine.step()
     engine.step()  # the first decode step after the prefills
     timers = Timers()
+    batched = engine.num_batched_rows
     with timers.patched(engine):
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
         total = time.perf_counter() - t0
+    decoded = engine.num_batched_rows - batched
     for rid in ids:
         engine.abort_request(rid)
     while engine.has_unfinished_requests():
         engine.step()
+    if decoded != rows * steps:
+        raise RuntimeError(f"the timed steps decoded {decoded} rows, not {steps} x {rows}")
     timers.seconds = defaultdict(float, {k: v / steps for k, v in timers.seconds.items()})
     return timers, total / steps
 
@@ -175,9 +191,7 @@ def vllm_steps(python: Path, rows: list[int], context: int, steps: int, chunk: i
 
     by_mode = []
     for lora in (True, False):  # one vLLM engine per mode runs every shape
-        # Enough output that, once the last prompt's prefill is done (n * context / chunk steps in), every
-        # row still has `steps` tokens to make together.
-        works = [workload(n, context, steps + 2 + -(-n * context // chunk), lora) for n in rows] + [
+        works = [workload(n, context, decode_out_len(n, context, steps, chunk), lora) for n in rows] + [
             workload(1, chunk, 1, lora)]
         runs, _ = run_vllm_many(python, works, adapter_dirs, model_dir=resolve_model(model), dtype=dtype,
                                 threads=threads, max_num_seqs=64, max_loras=16, max_lora_rank=8, workdir=workdir,

@@ -1,0 +1,34 @@
+"""The step profile times decode steps of exactly the batch it names (real default model, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex import LLM
+from loraplex.bench import step_profile
+
+
+@pytest.fixture(scope="module")
+def llm(model_path):
+    # chunks of 16 tokens: 8 prompts of 16 tokens take 8 to 16 prefill steps, in which the first rows decode
+    # (each decode takes one token of the chunk)
+    return LLM(str(model_path), dtype="float32", max_num_seqs=8, max_num_batched_tokens=16,
+               kv_cache_memory=32 << 20, enable_prefix_caching=False)
+
+
+def test_every_timed_step_decodes_all_rows(llm):
+    engine = llm.engine
+    before_steps, before_rows = engine.num_steps, engine.num_batched_rows
+    timers, step_s = step_profile.steady_decode(llm, 8, 16, None, 3)
+    assert step_s > 0 and timers.seconds["projections"] > 0
+    assert not engine.has_unfinished_requests()  # the requests were aborted after the timed steps
+    assert engine.num_batched_rows - before_rows >= 8 * 3 and engine.num_steps - before_steps >= 3 + 8
+    assert step_profile.decode_out_len(8, 16, 3, 16) == 3 + 2 + 16  # 16 prefill steps of 8 tokens at most
+
+
+def test_a_batch_that_shrank_before_the_timed_steps_is_refused(llm, monkeypatch):
+    # the old output length (steps + 8 = 11 tokens): the first rows finish during the other rows' prefills
+    monkeypatch.setattr(step_profile, "decode_out_len", lambda rows, context, steps, chunk: steps + 8)
+    with pytest.raises(RuntimeError, match=r"the timed steps decoded \d+ rows, not 3 x 8"):
+        step_profile.steady_decode(llm, 8, 16, None, 3)
+    assert not llm.engine.has_unfinished_requests()
