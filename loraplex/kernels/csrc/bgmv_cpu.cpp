@@ -56,7 +56,7 @@ struct Problem {
 };
 
 // ---- one loop for every path ----
-// Path: a path's row work (Scalar, Avx512, Avx2 below), static functions; the vector paths' carry their
+// Path: a path's row work (Scalar, Avx512, Avx2 below), static functions; the vector paths carry their
 // target attribute, so this loop, compiled for the baseline, calls them rather than inlining them:
 //   x_fp32(xr, buf, h) -> xf: the row xr in fp32 (xr itself for fp32, else converted into buf [h]);
 //   shrink(xr, xf, a, h, r, v, bf16_pairs): v[j] = sum_h xf[h] a[j, h] for j < r, in fp32;
