@@ -71,6 +71,8 @@ class ServeProcess:
                                      cwd=REPO, env=full_env, stdout=self._out, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 240.0) -> ServeProcess:
+        """Wait for /health; a server that exits or is not up within `timeout` s is stopped (never left
+        running after the test) and its log is in the error (a kernel build on a slow CPU, say)."""
         def up():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"loraplex serve exited:\n{self.log.read_text()}")
@@ -79,7 +81,14 @@ class ServeProcess:
             except httpx.HTTPError:
                 return False
 
-        wait_until(up, timeout=timeout, interval=0.25, what="loraplex serve")
+        try:
+            wait_until(up, timeout=timeout, interval=0.25, what="loraplex serve")
+        except TimeoutError as exc:
+            self.stop()
+            raise TimeoutError(f"{exc}; its log:\n{self.log.read_text()[-3000:]}") from None
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def output(self) -> str:

@@ -1,9 +1,9 @@
 """Overload and shutdown of a real `loraplex serve` process (real HTTP, SQLite and Redis).
 
 - 64 concurrent clients drive 4x the engine's capacity (max_num_seqs 16) for a bounded time: no answer
-  is a 500, every answer is a 200 or a 429/503 with retry-after that comes sooner than a typical admitted
-  call's answer (one engine step at most), and the usage records match the 200s exactly (count, request
-  ids and tokens).
+  is a 500, every answer is a 200 or a 429/503 with retry-after, a typical 503 within a quarter of the
+  median admitted call's latency and every refusal within it (the exact check waits for one engine step
+  boundary), and the usage records match the 200s exactly (count, request ids and tokens).
 - SIGTERM during load: requests in flight finish with 200, new ones get 503 `server_shutting_down`,
   /health says draining, the process exits 0, and no usage record is lost.
 """
@@ -97,13 +97,15 @@ def test_four_times_capacity_is_shed_never_a_500(serve):
     assert set(s.statuses) <= {200, 429, 503}
     assert s.statuses.get(200, 0) >= 10 and s.statuses.get(503, 0) >= 10 and s.statuses.get(429, 0) >= 10, s
     # A refusal never waits for the queue: the door answers at once and the exact check at submit waits
-    # for one step boundary of the engine thread, so the slowest refusal (a call of the first burst,
-    # behind a 512-token prefill step: 2-5 s on a 2-core CPU) comes well before a typical admitted call's
-    # answer (8-48 tokens, so 8-48 steps: 10-20 s). A bound relative to the machine's own speed, since CI's
-    # machines are slower than this one and vary.
-    ok_latencies = sorted(o.latency_s for o in outcomes if o.status == 200)
-    assert s.max_refusal_latency_s < ok_latencies[len(ok_latencies) // 2], (s, ok_latencies)
+    # for one step boundary of the engine thread. So a typical 503 comes within a fraction of an admitted
+    # call's latency (8-48 tokens: 8-48 steps, 10-20 s here; 0.2-0.4 s for most 503s), and the slowest
+    # refusal (a call of the first burst, behind a 512-token prefill step: 2-5 s on a 2-core CPU) still
+    # before the median admitted call. Bounds relative to the machine's own speed: CI's machines are
+    # slower than this one and vary.
     shed = [o for o in outcomes if o.status == 503]
+    shed_latencies = sorted(o.latency_s for o in shed)
+    assert shed_latencies[len(shed_latencies) // 2] < s.p50_latency_s / 4, (s, shed_latencies)
+    assert s.max_refusal_latency_s < s.p50_latency_s, s
     assert {(o.error_type, o.error_code) for o in shed} == {("server_overloaded", "server_overloaded")}
     assert {o.error_code for o in outcomes if o.status == 429} == {"rate_limit_exceeded"}
     assert_usage_matches(proc.db_url, outcomes)

@@ -68,3 +68,13 @@ def test_two_processes_share_one_limit(two_processes, tmp_path, model_path):
     assert r.status_code == 200 and r.json()["model"] == "readme"
     for c in clients + [owner.client, owner_b.client]:
         c.close()
+
+
+def test_a_server_not_up_in_time_is_stopped_and_its_log_shown(tmp_path, model_path):
+    """A start that outlasts wait_ready's timeout (a kernel build on a slow CPU, say) must not leave the
+    server running after the test, as it did once."""
+    proc = ServeProcess({"LORAPLEX_HOME": str(tmp_path / "home"), "LORAPLEX_MODEL": str(model_path)},
+                        tmp_path / "slow.log")
+    with pytest.raises(TimeoutError, match=r"timed out after 0.5 s waiting for loraplex serve; its log:"):
+        proc.wait_ready(timeout=0.5)
+    assert proc.proc.poll() is not None  # stopped, not left running
