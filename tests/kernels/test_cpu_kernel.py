@@ -80,6 +80,10 @@ def test_refuses_rows_and_slots_out_of_range_without_writing(ext):
         ext.bgmv(y, x, order, sid, a, bt, ranks, offsets, 2**62, vec)  # V x page would overflow
     with pytest.raises(RuntimeError, match="rows of y overlap"):
         ext.bgmv(y[:1].expand(6, -1), x, order, sid, a, bt, ranks, offsets, page, vec)
+    with pytest.raises(RuntimeError, match="x and y overlap"):  # x is read in place while y is written
+        both = torch.zeros(x.shape[0], x.shape[1] + y.shape[1], dtype=x.dtype)
+        ext.bgmv(both[:, x.shape[1] // 2 :][:, : y.shape[1]], both[:, : x.shape[1]], order, sid, a, bt, ranks,
+                 offsets, page, vec)
     with pytest.raises(RuntimeError, match="CPU tensors only"):
         ext.bgmv(y.to("meta"), x.to("meta"), order, sid, a, bt, ranks, offsets, page, vec)
     with pytest.raises(RuntimeError, match="unsupported dtype Double"):

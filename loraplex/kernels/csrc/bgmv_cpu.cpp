@@ -345,6 +345,14 @@ void bgmv(at::Tensor y, at::Tensor x, at::Tensor order, at::Tensor sid, std::vec
               "bgmv: x [T, H_in] and y [T, H] of one dtype expected");
   TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1, "bgmv: x and y need contiguous rows");
   TORCH_CHECK(y.size(0) <= 1 || y.stride(0) >= y.size(1), "bgmv: rows of y overlap in memory");
+  if (x.size(0) > 0 && x.size(1) > 0 && y.size(1) > 0) {  // x is read in place while y is written
+    const auto span = [](const at::Tensor& t) {            // [first, last) byte of the rows
+      const char* first = static_cast<const char*>(t.data_ptr());
+      return std::make_pair(first, first + ((t.size(0) - 1) * t.stride(0) + t.size(1)) * t.element_size());
+    };
+    const auto xs = span(x), ys = span(y);
+    TORCH_CHECK(xs.second <= ys.first || ys.second <= xs.first, "bgmv: x and y overlap in memory");
+  }
   TORCH_CHECK(order.scalar_type() == at::kLong && sid.scalar_type() == at::kLong && order.is_contiguous() &&
                   sid.is_contiguous() && order.numel() == sid.numel(),
               "bgmv: order and sid must be contiguous int64 tensors of one length");
