@@ -58,7 +58,7 @@ struct Problem {
 // ---- one loop for every path ----
 // Path: a path's row work (Scalar, Avx512, Avx2 below), static functions; the vector paths carry their
 // target attribute, so this loop, compiled for the baseline, calls them rather than inlining them:
-//   x_fp32(xr, buf, h) -> xf: the row xr in fp32 (xr itself for fp32, else converted into buf [h]);
+//   to_fp32(xr, buf, h): the row xr converted into buf [h] (16-bit types only: fp32 rows are read in place);
 //   shrink(xr, xf, a, h, r, v, bf16_pairs): v[j] = sum_h xf[h] a[j, h] for j < r, in fp32;
 //   expand(v, b, r, n, y): y[c] = T(y[c] + T(sum_j v[j] b[j, c])) for c < n;
 //   touch(ptr, bytes): bring the bytes into cache (nothing on the scalar path).
@@ -67,7 +67,7 @@ struct Problem {
 template <typename T, typename Path>
 void rows(const Problem<T>& p, int64_t begin, int64_t end, bool bf16_pairs) {
   const size_t k = p.a.size();
-  std::vector<float> buf(p.h_in), v;
+  std::vector<float> buf(std::is_same_v<T, float> ? 0 : p.h_in), v;  // x rows in fp32 (16-bit types)
   std::vector<int64_t> starts;  // first row of each segment in [begin, end)
   for (int64_t q = begin; q < end; ++q)
     if (q == begin || p.sid[q] != p.sid[q - 1]) starts.push_back(q);
@@ -87,7 +87,13 @@ void rows(const Problem<T>& p, int64_t begin, int64_t end, bool bf16_pairs) {
     for (int64_t q = starts[g]; q < starts[g + 1]; ++q) {
       const int64_t t = p.order[q];
       const T* xr = p.x + t * p.x_stride;
-      const float* xf = Path::x_fp32(xr, buf.data(), p.h_in);
+      const float* xf;
+      if constexpr (std::is_same_v<T, float>) {
+        xf = xr;
+      } else {
+        Path::to_fp32(xr, buf.data(), p.h_in);
+        xf = buf.data();
+      }
       for (size_t i = 0; i < k; ++i) {
         const int64_t r = p.ranks[i][s];
         if (r <= 0) continue;
@@ -104,11 +110,9 @@ void rows(const Problem<T>& p, int64_t begin, int64_t end, bool bf16_pairs) {
 
 struct Scalar {
   template <typename T>
-  static const float* x_fp32(const T* xr, float* buf, int64_t h) {
+  static void to_fp32(const T* xr, float* buf, int64_t h) {
     for (int64_t c = 0; c < h; ++c) buf[c] = float(xr[c]);
-    return buf;
   }
-  static const float* x_fp32(const float* xr, float*, int64_t) { return xr; }
   template <typename T>
   static void shrink(const T*, const float* xf, const T* a, int64_t h, int64_t r, float* v, bool) {
     for (int64_t j = 0; j < r; ++j) {
@@ -202,11 +206,7 @@ LORAPLEX_AVX512_BF16 __attribute__((noinline)) void shrink_row_bf16(const c10::B
 
 struct Avx512 {
   template <typename T>
-  static const float* x_fp32(const T* xr, float* buf, int64_t h) {
-    w16::to_fp32(xr, buf, h);
-    return buf;
-  }
-  static const float* x_fp32(const float* xr, float*, int64_t) { return xr; }
+  static void to_fp32(const T* xr, float* buf, int64_t h) { w16::to_fp32(xr, buf, h); }
   template <typename T>
   static void shrink(const T* xr, const float* xf, const T* a, int64_t h, int64_t r, float* v, bool bf16_pairs) {
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
@@ -247,7 +247,6 @@ LORAPLEX_ROWS inline vf vround(vf v, const float*) { return v; }
 }  // namespace w8
 
 struct Avx2 {
-  static const float* x_fp32(const float* xr, float*, int64_t) { return xr; }
   static void shrink(const float*, const float* xf, const float* a, int64_t h, int64_t r, float* v, bool) {
     w8::shrink_row(xf, a, h, r, v);
   }
