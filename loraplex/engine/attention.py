@@ -191,7 +191,7 @@ def _prefill_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     per_tile = max(1, min(128, (16 << 20) // (nh * context)))
     qf = q.float()
     if (ONEDNN_PREFILL and q.dtype == torch.float32 and L * context >= ONEDNN_MIN_SCORES
-            and cpu_gemm.backend == "onednn" and cpu_gemm.ONEDNN):
+            and cpu_gemm.onednn_unpacked()):
         _prefill_onednn(qf, kh, vh, out, p.num_computed, per_tile)
         return out
     for i0 in range(0, L, per_tile):

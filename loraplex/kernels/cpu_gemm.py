@@ -1,12 +1,16 @@
-"""Base linears on weights packed once: oneDNN's (the default) or MKL's (`csrc/packed_gemm_cpu.cpp`).
+"""Base linears on weights packed once: oneDNN's, loraplex's AVX2 GEMM (`csrc/gemm_avx2_cpu.cpp`) or MKL's
+(`csrc/packed_gemm_cpu.cpp`).
 
 Letters: M rows of a call, K in features, N out features.
 
 A GEMM on a plain [N, K] weight repacks that weight into the kernel's blocked layout on every call; at
 decode batch sizes that repacking is a large share of the call. `pack_linears` packs each base weight
 once and `linear` runs the calls in its row range on the packed copy, the rest through `F.linear`.
-vLLM's CPU backend does the same with oneDNN (`onednn_mm` on a weight reordered at load time). Two
-backends, chosen by `LORAPLEX_PACKED_GEMM` (`onednn`, the default; `mkl`; `0` turns packing off):
+vLLM's CPU backend does the same with oneDNN (`onednn_mm` on a weight reordered at load time). Three
+backends, chosen by `LORAPLEX_PACKED_GEMM`: `auto` (the default) takes avx2 for fp32 weights on a CPU with
+AVX2 + FMA and no AVX-512 where the CPU kernels are built, onednn otherwise; `onednn`, `avx2` and `mkl`
+force one (avx2 falls back to onednn where the CPU or build lacks it, said in the log); `0` turns
+packing off:
 
 - **onednn**: the weight reordered once (`torch.ops.mkldnn._reorder_linear_weight`, laid out for
   M = 64) and each call through `torch.ops.mkldnn._linear_pointwise`, the pair PyTorch's inductor uses
@@ -15,6 +19,13 @@ backends, chosen by `LORAPLEX_PACKED_GEMM` (`onednn`, the default; `mkl`; `0` tu
   F.linear (about 190 GFLOP/s against 80), the lm_head 2-3x; at 1-2 rows the small decoder weights
   lose (15-20 against 21-23 GFLOP/s), so fp32 decoder linears start at 2 rows; bf16 1.3-2x at 1-32
   rows, even from 128 (docs/performance.md).
+- **avx2** (fp32 only): loraplex's register-blocked GEMM (BLIS's 6 x 16 tiles) on panels packed once.
+  On a 2-core AMD EPYC Zen 1 (AVX2 + FMA, no AVX-512), one thread, the default model's 30 layers of
+  q/k/v, o, gate/up and down with cold weights, medians of 7: 1 row 73 ms (F.linear 93, oneDNN 110),
+  16 rows 126 (oneDNN 191), 64 rows 420-445 against oneDNN's 499-527 (32 against 27 GFLOP/s, the FMA
+  peak being 38.5), 256 rows 1.08x oneDNN; in the engine, 64-row decode steps 9-10% faster
+  (docs/performance.md). So it takes every row count. Where the CPU has AVX-512, oneDNN's kernels are
+  twice as wide and stay the default. One copy of the weight's bytes (padded to 16 columns).
 - **mkl** (fp32 only): MKL's `cblas_sgemm_pack` / `cblas_sgemm_compute`. On a 2-core AVX-512 Xeon:
   1.5x F.linear at 8-32 rows, 1.3-1.4x at 64, 1.1-1.2x at 256, none at 512; so decoder linears take it
   from 2 to 256 rows (64 without AVX-512, where MKL's AVX2 kernels lose 2-3% at 100-256) and the
@@ -50,22 +61,24 @@ logger = logging.getLogger(__name__)
 MAX_ROWS = 256  # mkl backend, decoder linears: packed from 2 to this many rows (AVX-512)
 MAX_ROWS_AVX2 = 64  # the same without AVX-512
 LM_HEAD_MAX_ROWS = 128  # mkl backend, the lm_head
+AVX2_MIN_ROWS = 1  # avx2 backend: packed from one row (faster than F.linear's GEMV there too)
 ONEDNN_LAYOUT_ROWS = 64  # the M oneDNN lays a reordered weight out for (it serves every M)
 NO_LIMIT = 1 << 62
 MEMORY_SHARE = 0.25  # of MemAvailable at load time
-BACKENDS = ("onednn", "mkl")
+BACKENDS = ("onednn", "avx2", "mkl")
 
 
 def backend_from_env() -> str | None:
-    """The backend `LORAPLEX_PACKED_GEMM` names: "onednn" (the default; "1", "on", "true", "yes" too),
-    "mkl", or None ("0", "off", "none": no packing). Raises ValueError for anything else."""
-    value = os.environ.get("LORAPLEX_PACKED_GEMM", "onednn").strip().lower()
+    """The backend `LORAPLEX_PACKED_GEMM` names: "auto" (the default; "1", "on", "true", "yes" too),
+    "onednn", "avx2", "mkl", or None ("0", "off", "none": no packing). Raises ValueError for anything
+    else."""
+    value = os.environ.get("LORAPLEX_PACKED_GEMM", "auto").strip().lower()
     if value in ("0", "off", "none"):
         return None
-    if value in ("", "1", "on", "true", "yes"):
-        return "onednn"
+    if value in ("", "1", "on", "true", "yes", "auto"):
+        return "auto"
     if value not in BACKENDS:
-        raise ValueError(f"LORAPLEX_PACKED_GEMM={value!r}: expected one of {', '.join(BACKENDS)} or 0")
+        raise ValueError(f"LORAPLEX_PACKED_GEMM={value!r}: expected auto, {', '.join(BACKENDS)} or 0")
     return value
 
 
@@ -96,6 +109,8 @@ def row_range(name: str, kind: str, dtype: torch.dtype) -> tuple[int, int]:
     ("decoder" or "lm_head") and `dtype` (the measurements are in the module docstring)."""
     if name == "onednn":
         return (2 if kind == "decoder" and dtype == torch.float32 else 1), NO_LIMIT
+    if name == "avx2":
+        return AVX2_MIN_ROWS, NO_LIMIT
     return 2, (decoder_max_rows() if kind == "decoder" else LM_HEAD_MAX_ROWS)
 
 
@@ -133,19 +148,41 @@ def _onednn_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return y if rows == m else y[:m]
 
 
+def onednn_unpacked() -> bool:
+    """Whether fp32 products on weights that are not packed (the LoRA shrink rows and expand pages, long
+    prefill attention) go through oneDNN's matmul: with every backend but mkl and none, where this
+    PyTorch has oneDNN."""
+    return ONEDNN and backend in ("auto", "onednn", "avx2")
+
+
 def linear_unpacked(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N], no bias, for a weight that changes between calls (the LoRA
-    shrink rows and expand pages of a step): oneDNN's matmul on the plain weight with the onednn
-    backend, fp32, a contiguous weight and M >= 1 (1.5-1.9x F.linear at 64 rows where MKL runs its AVX2
-    code, docs/performance.md); else F.linear."""
-    if (backend == "onednn" and ONEDNN and x.dtype == torch.float32 and weight.dtype == torch.float32
+    shrink rows and expand pages of a step): oneDNN's matmul on the plain weight where
+    `onednn_unpacked()`, fp32, a contiguous weight and M >= 1 (1.5-1.9x F.linear at 64 rows where MKL
+    runs its AVX2 code, docs/performance.md); else F.linear."""
+    if (onednn_unpacked() and x.dtype == torch.float32 and weight.dtype == torch.float32
             and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] >= 1 and weight.is_contiguous()):
         return _onednn_call(x, weight, None)
     return F.linear(x, weight)
 
 
+def resolve(name: str | None, dtype: torch.dtype) -> str | None:
+    """The backend that packs weights of `dtype` for setting `name` ("auto", a backend or None): auto and
+    avx2 give avx2 for fp32 where the CPU kernels are built and the CPU has AVX2 + FMA (auto: and no
+    AVX-512), onednn otherwise; the others stay as they are."""
+    if name not in ("auto", "avx2"):
+        return name
+    ext = cpu_ext.load() if dtype == torch.float32 else None
+    fits = ext is not None and ext.gemm_avx2_available() and (name == "avx2" or not ext.avx512_available())
+    if name == "avx2" and not fits:
+        logger.info("base linears use onednn, not avx2 (it takes fp32 weights, the CPU kernels built, AVX2 + FMA)")
+    return "avx2" if fits else "onednn"
+
+
 def _refusal(name: str, dtype: torch.dtype) -> str | None:
     """Why backend `name` cannot pack weights of `dtype` here (None: it can)."""
+    if name == "avx2":
+        return None if dtype == torch.float32 else ""
     if name == "mkl":
         if dtype != torch.float32:
             return ""  # bf16 with the mkl backend: F.linear's oneDNN kernels, the normal case, not logged
@@ -165,12 +202,16 @@ def _refusal(name: str, dtype: torch.dtype) -> str | None:
 def _pack(name: str, weight: torch.Tensor) -> torch.Tensor:
     if name == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_LAYOUT_ROWS)
+    if name == "avx2":
+        return cpu_ext.load().gemm_avx2_pack(weight)
     return cpu_ext.load().packed_gemm_pack(weight)
 
 
 def _packed_bytes(name: str, weight: torch.Tensor) -> int:
     if name == "onednn":
         return weight.numel() * weight.element_size()
+    if name == "avx2":
+        return -(-weight.shape[0] // 16) * 16 * weight.shape[1] * 4
     return cpu_ext.load().packed_gemm_bytes(*weight.shape)
 
 
@@ -191,6 +232,7 @@ def pack_linears(linears: list[tuple[nn.Linear, str]], *, memory_bytes: int | No
     if len(dtypes) != 1 or any(m.weight.device.type != "cpu" for m, _ in linears):
         return 0
     dtype = dtypes.pop()
+    name = resolve(name, dtype)
     why = _refusal(name, dtype)
     if why is not None:
         if why:
@@ -247,6 +289,8 @@ def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     try:
         if module.packed_backend == "onednn":
             return _onednn_call(x, module.packed_weight, module.bias)
+        if module.packed_backend == "avx2":
+            return cpu_ext.load().gemm_avx2_linear(x, module.packed_weight, module.out_features, module.bias)
         return cpu_ext.load().packed_gemm_linear(x, module.packed_weight, module.out_features, module.bias)
     except RuntimeError as exc:
         logger.warning("a %s call on %d rows failed (%s); this linear uses F.linear from now on",

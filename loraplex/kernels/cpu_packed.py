@@ -247,7 +247,7 @@ def fill_fused_rows(fs, slices, layout: dict) -> None:
         fs.expand = [bd.view(-1, fs.out)]
     else:
         fs.expand = [bt.reshape(-1, bt.shape[2]) for bt in bts]
-    onednn = cpu_gemm.backend == "onednn" and cpu_gemm.ONEDNN and fs.weight.dtype == torch.float32
+    onednn = cpu_gemm.onednn_unpacked() and fs.weight.dtype == torch.float32
     fs.expand_t = [b.t().contiguous() for b in fs.expand] if onednn else None
     fs.key = key
 
@@ -297,8 +297,8 @@ def fused_linear(x: torch.Tensor, linear: nn.Linear, slices: Sequence[LoRAWeight
                            "assign=True, .to(dtype)?): it no longer shares the buffer with the shrink rows")
     fill_fused_rows(fs, slices, layout)
     n = fs.out + layout["cols"]
-    if getattr(linear, "packed_backend", None) == "onednn" and cpu_gemm.takes_packed(linear, x):
-        # oneDNN's packed base GEMM beats the fused F.linear by more than the separate shrink costs
+    if getattr(linear, "packed_backend", None) in ("onednn", "avx2") and cpu_gemm.takes_packed(linear, x):
+        # the packed base GEMM beats the fused F.linear by more than the separate shrink costs
         # (kernels/cpu_gemm.py); the shrink rows have no bias (FusedShrink zeroes it)
         y = cpu_gemm.linear(linear, x)  # [T, H_out]
         v = cpu_gemm.linear_unpacked(x, fs.weight[fs.out:n])  # [T, E]

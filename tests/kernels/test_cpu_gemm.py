@@ -1,6 +1,6 @@
-"""Base linears on packed weights (`kernels/cpu_gemm.py`), both backends (oneDNN's reordered weights,
-MKL's packed GEMM): as close to the fp64 product as F.linear is, the row range that takes the packed
-copy, and the cases where nothing is packed."""
+"""Base linears on packed weights (`kernels/cpu_gemm.py`), every backend (oneDNN's reordered weights,
+loraplex's AVX2 GEMM, MKL's packed GEMM): as close to the fp64 product as F.linear is, the row range that
+takes the packed copy, and the cases where nothing is packed."""
 
 from __future__ import annotations
 
@@ -26,21 +26,32 @@ def _random_linear(n: int, k: int, bias: bool, gen: torch.Generator) -> nn.Linea
     return lin
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 16, 64, 100, 512])
-@pytest.mark.parametrize(("n", "k", "bias"), [(960, 576, False), (576, 1536, False), (48, 40, True)])
-def test_onednn_linear_is_within_the_rounding_bound(dtype, rows, n, k, bias):
+AVX2 = ext.gemm_avx2_available()
+needs_avx2 = pytest.mark.skipif(not AVX2, reason="this CPU has no AVX2 + FMA")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 64, 100, 512])
+@pytest.mark.parametrize(("n", "k", "bias"), [(960, 576, False), (576, 1536, False), (48, 40, True), (1000, 72, True)])
+@pytest.mark.parametrize(("name", "dtype"), [("onednn", torch.float32), ("onednn", torch.bfloat16),
+                                             ("avx2", torch.float32)])  # avx2 is fp32 only (refusal below)
+def test_packed_linear_is_within_the_rounding_bound(name, dtype, rows, n, k, bias):
     """Against the product in fp64, element by element, within the bound of a K-term fp32 dot product in
     any order, gamma_K x sum |x_i w_i| with gamma_K = K u / (1 - K u), u = 2^-24 (Higham, Accuracy and
     Stability of Numerical Algorithms, 2nd ed., section 3.1), plus half a bf16 ulp of the result for a
-    bf16 output. (oneDNN sums K in another order than MKL: measured 1-4x F.linear's largest error here.)"""
+    bf16 output. (oneDNN sums K in another order than MKL: measured 1-4x F.linear's largest error here.)
+    The avx2 rows cover every tile height (1-6 rows, 6 per tile), a last panel of 8 of 16 columns (1000,
+    48) and row blocks (512 rows of K = 1536 take 7 blocks)."""
     if dtype == torch.bfloat16 and not cpu_gemm.ONEDNN_BF16:
         pytest.skip("this CPU has no oneDNN bf16 kernels (test_bf16_is_packed_by_onednn_only checks the refusal)")
+    if name == "avx2" and not AVX2:
+        pytest.skip("this CPU has no AVX2 + FMA")
     gen = torch.Generator().manual_seed(rows + n)
     lin = _random_linear(n, k, bias, gen)
     lin = lin.to(dtype)
     x = torch.randn(rows, k, generator=gen).to(dtype)
-    assert cpu_gemm.pack_linears([(lin, "lm_head")], memory_bytes=1 << 40, name="onednn") == n * k * lin.weight.element_size()
+    packed_n = n if name == "onednn" else -(-n // 16) * 16
+    assert cpu_gemm.pack_linears([(lin, "lm_head")], memory_bytes=1 << 40, name=name) == packed_n * k * lin.weight.element_size()
+    assert lin.packed_backend == name
     assert cpu_gemm.takes_packed(lin, x) and lin.packed_rows == (1, cpu_gemm.NO_LIMIT)
     with torch.no_grad():
         got = cpu_gemm.linear(lin, x)
@@ -73,6 +84,53 @@ def test_packed_linear_is_as_exact_as_f_linear(rows, n, k, bias):
     err, f_err = (got.double() - exact).abs().max().item(), (ours.double() - exact).abs().max().item()
     assert err <= 2 * f_err + 1e-7, (err, f_err)
     assert got.shape == (rows, n) and got.dtype == torch.float32
+
+
+@needs_avx2
+@pytest.mark.parametrize("threads", [1, 2])
+def test_avx2_gemm_threads_strided_rows_and_empty_calls_agree_with_f_linear(threads):
+    gen = torch.Generator().manual_seed(11)
+    w, bias = torch.randn(200, 64, generator=gen), torch.randn(200, generator=gen)
+    packed = ext.gemm_avx2_pack(w)
+    assert packed.shape == (13 * 16 * 64,) and packed.dtype == torch.float32
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 6, 7, 13, 70):
+            x = torch.randn(rows, 64, generator=gen)
+            torch.testing.assert_close(ext.gemm_avx2_linear(x, packed, 200), F.linear(x, w), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ext.gemm_avx2_linear(x, packed, 200, bias), F.linear(x, w, bias), rtol=1e-5,
+                                       atol=1e-5)
+        wide = torch.randn(20, 100, generator=gen)
+        x = wide[:, 10:74]  # rows of 64 with a stride of 100, read in place
+        torch.testing.assert_close(ext.gemm_avx2_linear(x, packed, 200), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        cols = torch.randn(64, 20, generator=gen).t()  # column-major rows: copied first
+        torch.testing.assert_close(ext.gemm_avx2_linear(cols, packed, 200), F.linear(cols, w), rtol=1e-5, atol=1e-5)
+        assert ext.gemm_avx2_linear(torch.empty(0, 64), packed, 200).shape == (0, 200)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_avx2
+def test_avx2_gemm_refuses_a_packed_weight_of_another_shape_a_view_or_another_dtype():
+    packed = ext.gemm_avx2_pack(torch.randn(32, 16))
+    with pytest.raises(RuntimeError, match="packed has 512 floats, an \\[49152, 576\\] weight packs to 28311552"):
+        ext.gemm_avx2_linear(torch.randn(4, 576), packed, 49152)
+    with pytest.raises(RuntimeError, match="not 32-byte aligned"):
+        ext.gemm_avx2_linear(torch.randn(4, 8), torch.cat([torch.zeros(1), packed])[1:257], 32)
+    with pytest.raises(RuntimeError, match="2-D fp32"):
+        ext.gemm_avx2_linear(torch.randn(4, 16, dtype=torch.bfloat16), packed, 32)
+    with pytest.raises(RuntimeError, match="2-D fp32"):
+        ext.gemm_avx2_pack(torch.randn(32, 16, dtype=torch.float64))
+
+
+def test_auto_takes_avx2_for_fp32_only_where_the_cpu_has_no_avx512():
+    want = "avx2" if AVX2 and not ext.avx512_available() else "onednn"
+    assert cpu_gemm.resolve("auto", torch.float32) == want
+    assert cpu_gemm.resolve("auto", torch.bfloat16) == "onednn"
+    assert cpu_gemm.resolve("avx2", torch.float32) == ("avx2" if AVX2 else "onednn")
+    assert cpu_gemm.resolve("avx2", torch.bfloat16) == "onednn"
+    assert [cpu_gemm.resolve(name, torch.float32) for name in ("onednn", "mkl", None)] == ["onednn", "mkl", None]
 
 
 def test_one_row_with_a_bias_leaves_the_bias_alone():
@@ -128,7 +186,7 @@ def test_linear_takes_the_packed_copy_only_in_its_row_range(name):
     gen = torch.Generator().manual_seed(2)
     lin = nn.Linear(32, 24, bias=False)
     other = torch.randn(24, 32, generator=gen)
-    bytes_ = 24 * 32 * 4 if name == "onednn" else ext.packed_gemm_bytes(24, 32)
+    bytes_ = {"onednn": 24 * 32 * 4, "avx2": 32 * 32 * 4, "mkl": ext.packed_gemm_bytes(24, 32)}[name]
     assert cpu_gemm.pack_linears([(lin, "decoder")], memory_bytes=1 << 40, name=name) == bytes_
     assert lin.packed_rows == cpu_gemm.row_range(name, "decoder", torch.float32)
     lin.packed_weight = cpu_gemm._pack(name, other)
@@ -142,12 +200,14 @@ def test_row_ranges():
     assert cpu_gemm.row_range("onednn", "decoder", torch.float32) == (2, cpu_gemm.NO_LIMIT)
     assert cpu_gemm.row_range("onednn", "decoder", torch.bfloat16) == (1, cpu_gemm.NO_LIMIT)
     assert cpu_gemm.row_range("onednn", "lm_head", torch.float32) == (1, cpu_gemm.NO_LIMIT)
+    assert cpu_gemm.row_range("avx2", "decoder", torch.float32) == (cpu_gemm.AVX2_MIN_ROWS, cpu_gemm.NO_LIMIT)
+    assert cpu_gemm.row_range("avx2", "lm_head", torch.float32) == (cpu_gemm.AVX2_MIN_ROWS, cpu_gemm.NO_LIMIT)
     assert cpu_gemm.row_range("mkl", "decoder", torch.float32) == (2, 256 if ext.avx512_available() else 64)
     assert cpu_gemm.row_range("mkl", "lm_head", torch.float32) == (2, cpu_gemm.LM_HEAD_MAX_ROWS)
 
 
-@pytest.mark.parametrize(("value", "want"), [(None, "onednn"), ("1", "onednn"), ("mkl", "mkl"), ("ONEDNN", "onednn"),
-                                             ("0", None)])
+@pytest.mark.parametrize(("value", "want"), [(None, "auto"), ("1", "auto"), ("Auto", "auto"), ("mkl", "mkl"),
+                                             ("ONEDNN", "onednn"), ("avx2", "avx2"), ("0", None)])
 def test_the_backend_comes_from_the_environment(monkeypatch, value, want):
     if value is None:
         monkeypatch.delenv("LORAPLEX_PACKED_GEMM", raising=False)
@@ -158,7 +218,7 @@ def test_the_backend_comes_from_the_environment(monkeypatch, value, want):
 
 def test_an_unknown_backend_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("LORAPLEX_PACKED_GEMM", "openblas")
-    with pytest.raises(ValueError, match="LORAPLEX_PACKED_GEMM='openblas': expected one of onednn, mkl or 0"):
+    with pytest.raises(ValueError, match="LORAPLEX_PACKED_GEMM='openblas': expected auto, onednn, avx2, mkl or 0"):
         cpu_gemm.backend_from_env()
 
 
@@ -171,17 +231,20 @@ def test_nothing_is_packed_without_room(caplog, name):
 
 
 def test_bf16_is_packed_by_onednn_only():
+    """MKL refuses bf16; avx2 and auto hand it to oneDNN, which packs it where the CPU has its bf16 kernels."""
     half = nn.Linear(64, 64, bias=False).to(torch.bfloat16)
     assert cpu_gemm.pack_linears([(half, "decoder")], memory_bytes=1 << 40, name="mkl") == 0
     assert not hasattr(half, "packed_weight")
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     assert torch.equal(cpu_gemm.linear(half, x), half(x))
     if not cpu_gemm.ONEDNN_BF16:  # an AVX2-only CPU: refused up front, F.linear stays
-        assert cpu_gemm.pack_linears([(half, "decoder")], memory_bytes=1 << 40, name="onednn") == 0
-        assert not hasattr(half, "packed_weight") and not cpu_gemm.takes_packed(half, x)
+        for name in ("onednn", "avx2", "auto"):  # avx2 and auto hand bf16 to onednn
+            assert cpu_gemm.pack_linears([(half, "decoder")], memory_bytes=1 << 40, name=name) == 0
+            assert not hasattr(half, "packed_weight") and not cpu_gemm.takes_packed(half, x)
         assert torch.equal(cpu_gemm.linear(half, x), half(x))
         return
-    assert cpu_gemm.pack_linears([(half, "decoder")], memory_bytes=1 << 40, name="onednn") == 64 * 64 * 2
+    assert cpu_gemm.pack_linears([(half, "decoder")], memory_bytes=1 << 40, name="avx2") == 64 * 64 * 2
+    assert half.packed_backend == "onednn"
     assert cpu_gemm.takes_packed(half, x) and not cpu_gemm.takes_packed(half, x.float())
 
 
@@ -191,8 +254,9 @@ def test_the_engine_packs_its_base_linears_and_the_switch_turns_it_off(monkeypat
     from loraplex.engine.llm_engine import LLMEngine
 
     monkeypatch.setattr("loraplex.engine.llm_engine.available_memory_bytes", lambda: 1 << 40)
-    for name in cpu_gemm.BACKENDS:
-        monkeypatch.setattr(cpu_gemm, "backend", name)
+    for setting in ("auto", *cpu_gemm.BACKENDS):
+        monkeypatch.setattr(cpu_gemm, "backend", setting)
+        name = cpu_gemm.resolve(setting, torch.float32)
         engine = LLMEngine("smollm2-135m-shapes", load_format="dummy", dtype="float32", max_loras=1)
         layer = engine.model.layers[0]
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):

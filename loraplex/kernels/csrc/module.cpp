@@ -1,5 +1,5 @@
-// The CPU extension's Python module: the functions of bgmv_cpu.cpp, paged_attention_cpu.cpp and
-// packed_gemm_cpu.cpp, rope_cpu.cpp and norm_act_cpu.cpp.
+// The CPU extension's Python module: the functions of bgmv_cpu.cpp, paged_attention_cpu.cpp,
+// packed_gemm_cpu.cpp, gemm_avx2_cpu.cpp, rope_cpu.cpp and norm_act_cpu.cpp.
 #include <torch/extension.h>
 
 #include <vector>
@@ -16,6 +16,10 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
 void rope_inplace(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim);
 at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& r, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+bool gemm_avx2_available();
+at::Tensor gemm_avx2_pack(const at::Tensor& weight);
+at::Tensor gemm_avx2_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                            const c10::optional<at::Tensor>& bias);
 bool packed_gemm_available();
 at::Tensor packed_gemm_pack(const at::Tensor& weight);
 int64_t packed_gemm_bytes(int64_t n, int64_t k);
@@ -33,6 +37,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_inplace", &rope_inplace, "RoPE in place on the first heads of each row, fp32 (see rope_cpu.cpp)");
   m.def("add_rms_norm", &add_rms_norm, "x += r in place, then RMSNorm of x, fp32 (see norm_act_cpu.cpp)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up output, fp32 (see norm_act_cpu.cpp)");
+  m.def("gemm_avx2_available", &gemm_avx2_available, "Whether this CPU runs gemm_avx2_linear (AVX2 + FMA)");
+  m.def("gemm_avx2_pack", &gemm_avx2_pack, "An fp32 [N, K] weight packed in panels for gemm_avx2_linear");
+  m.def("gemm_avx2_linear", &gemm_avx2_linear, "x @ weight^T (+ bias) on a packed weight (see gemm_avx2_cpu.cpp)",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
   m.def("packed_gemm_available", &packed_gemm_available, "Whether this PyTorch's MKL has the packed GEMM");
   m.def("packed_gemm_pack", &packed_gemm_pack, "An fp32 [N, K] weight packed for packed_gemm_linear");
   m.def("packed_gemm_bytes", &packed_gemm_bytes, "Bytes of a packed [N, K] weight");
