@@ -26,8 +26,9 @@ def _random_linear(n: int, k: int, bias: bool, gen: torch.Generator) -> nn.Linea
     return lin
 
 
-AVX2 = ext.gemm_avx2_available()
+AVX2 = ext is not None and ext.gemm_avx2_available()
 needs_avx2 = pytest.mark.skipif(not AVX2, reason="this CPU has no AVX2 + FMA")
+EACH_BACKEND = [pytest.param(name, marks=needs_avx2) if name == "avx2" else name for name in cpu_gemm.BACKENDS]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 64, 100, 512])
@@ -39,8 +40,8 @@ def test_packed_linear_is_within_the_rounding_bound(name, dtype, rows, n, k, bia
     any order, gamma_K x sum |x_i w_i| with gamma_K = K u / (1 - K u), u = 2^-24 (Higham, Accuracy and
     Stability of Numerical Algorithms, 2nd ed., section 3.1), plus half a bf16 ulp of the result for a
     bf16 output. (oneDNN sums K in another order than MKL: measured 1-4x F.linear's largest error here.)
-    The avx2 rows cover every tile height (1-6 rows, 6 per tile), a last panel of 8 of 16 columns (1000,
-    48) and row blocks (512 rows of K = 1536 take 7 blocks)."""
+    The avx2 rows cover every tile height (1-6 rows, 6 per tile), a last panel of 8 of 16 columns (N =
+    1000) and row blocks (512 rows of K = 1536 go in 13 blocks of up to 42)."""
     if dtype == torch.bfloat16 and not cpu_gemm.ONEDNN_BF16:
         pytest.skip("this CPU has no oneDNN bf16 kernels (test_bf16_is_packed_by_onednn_only checks the refusal)")
     if name == "avx2" and not AVX2:
@@ -89,24 +90,31 @@ def test_packed_linear_is_as_exact_as_f_linear(rows, n, k, bias):
 @needs_avx2
 @pytest.mark.parametrize("threads", [1, 2])
 def test_avx2_gemm_threads_strided_rows_and_empty_calls_agree_with_f_linear(threads):
+    """1000 columns are 63 panels, enough for two threads to split from one row on (a task takes at least
+    16 tiles); K = 12000 takes row blocks of 6 rows, 13 rows three of them."""
     gen = torch.Generator().manual_seed(11)
-    w, bias = torch.randn(200, 64, generator=gen), torch.randn(200, generator=gen)
+    w, bias = torch.randn(1000, 64, generator=gen), torch.randn(1000, generator=gen)
     packed = ext.gemm_avx2_pack(w)
-    assert packed.shape == (13 * 16 * 64,) and packed.dtype == torch.float32
+    assert packed.shape == (63 * 16 * 64,) and packed.dtype == torch.float32
+    long_w = torch.randn(40, 12000, generator=gen) / 100
+    long_packed = ext.gemm_avx2_pack(long_w)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for rows in (1, 6, 7, 13, 70):
             x = torch.randn(rows, 64, generator=gen)
-            torch.testing.assert_close(ext.gemm_avx2_linear(x, packed, 200), F.linear(x, w), rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(ext.gemm_avx2_linear(x, packed, 200, bias), F.linear(x, w, bias), rtol=1e-5,
+            torch.testing.assert_close(ext.gemm_avx2_linear(x, packed, 1000), F.linear(x, w), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ext.gemm_avx2_linear(x, packed, 1000, bias), F.linear(x, w, bias), rtol=1e-5,
                                        atol=1e-5)
+        x = torch.randn(13, 12000, generator=gen)
+        torch.testing.assert_close(ext.gemm_avx2_linear(x, long_packed, 40), F.linear(x, long_w), rtol=1e-4,
+                                   atol=1e-4)
         wide = torch.randn(20, 100, generator=gen)
         x = wide[:, 10:74]  # rows of 64 with a stride of 100, read in place
-        torch.testing.assert_close(ext.gemm_avx2_linear(x, packed, 200), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ext.gemm_avx2_linear(x, packed, 1000), F.linear(x, w), rtol=1e-5, atol=1e-5)
         cols = torch.randn(64, 20, generator=gen).t()  # column-major rows: copied first
-        torch.testing.assert_close(ext.gemm_avx2_linear(cols, packed, 200), F.linear(cols, w), rtol=1e-5, atol=1e-5)
-        assert ext.gemm_avx2_linear(torch.empty(0, 64), packed, 200).shape == (0, 200)
+        torch.testing.assert_close(ext.gemm_avx2_linear(cols, packed, 1000), F.linear(cols, w), rtol=1e-5, atol=1e-5)
+        assert ext.gemm_avx2_linear(torch.empty(0, 64), packed, 1000).shape == (0, 1000)
     finally:
         torch.set_num_threads(before)
 
@@ -143,7 +151,7 @@ def test_one_row_with_a_bias_leaves_the_bias_alone():
     assert torch.equal(lin.bias.detach(), bias)
 
 
-@pytest.mark.parametrize("name", cpu_gemm.BACKENDS)
+@pytest.mark.parametrize("name", EACH_BACKEND)
 def test_a_weight_rebound_or_cast_or_an_x_of_another_width_goes_to_f_linear(name):
     gen = torch.Generator().manual_seed(3)
     lin = nn.Linear(32, 24, bias=False)
@@ -180,7 +188,7 @@ def test_a_buffer_of_another_shape_or_dtype_is_refused():
         ext.packed_gemm_pack(torch.randn(32, 16, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("name", cpu_gemm.BACKENDS)
+@pytest.mark.parametrize("name", EACH_BACKEND)
 def test_linear_takes_the_packed_copy_only_in_its_row_range(name):
     """The packed copy here is of another weight, so each result shows which path ran."""
     gen = torch.Generator().manual_seed(2)
@@ -222,7 +230,7 @@ def test_an_unknown_backend_is_a_clear_error(monkeypatch):
         cpu_gemm.backend_from_env()
 
 
-@pytest.mark.parametrize("name", cpu_gemm.BACKENDS)
+@pytest.mark.parametrize("name", EACH_BACKEND)
 def test_nothing_is_packed_without_room(caplog, name):
     lin = nn.Linear(64, 64, bias=False)
     assert cpu_gemm.pack_linears([(lin, "decoder")], memory_bytes=64 * 64 * 4, name=name) == 0

@@ -171,8 +171,10 @@ at::Tensor gemm_avx2_linear(const at::Tensor& x, const at::Tensor& packed, int64
   const float* b = padded_bias.defined() ? padded_bias.data_ptr<float>() : nullptr;
   float* y = out.data_ptr<float>();
   const int64_t lda = a.stride(0);
-  // about 64 tiles' worth of work per task, so a thread's share is not a sliver
-  const int64_t grain = std::max<int64_t>(1, 64 * kMR / std::max<int64_t>(m, 1));
+  // at least 16 tiles per task (a tile: up to MR rows x NR columns over K), so one row's GEMV splits
+  // between threads past 16 panels (256 columns), and a thread's share is never a sliver
+  const int64_t tiles_per_panel = (m + kMR - 1) / kMR;
+  const int64_t grain = std::max<int64_t>(1, 16 / tiles_per_panel);
   at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
     gemm_panels(xa, lda, m, k, w, b, n, y, p0, p1);
   });
