@@ -1,19 +1,30 @@
 // The decode loop of the paged attention (one query row per request; see paged_attention_cpu.cpp for
 // the semantics, the letters and the general loop it replaces for such rows), written for the CPU's
-// vectors: W keys at a time (W = 16 fp32 lanes with AVX-512, 8 with AVX2; paged_vec.h).
+// vectors: chunks of W keys (W = 16 fp32 lanes with AVX-512, 8 with AVX2; paged_vec.h).
 //
-// For each chunk of W keys of a request and each kv head, every one of its G query heads takes
-//   scores: W dot products q . k_j, each summed over D as one vector of W partial sums, then the
-//           W vectors reduced to one vector of W scores by a transpose-and-add tree (30 two-vector
-//           shuffles and 15 adds at W = 16, where a horizontal sum per key took 4-5 dependent steps);
-//   softmax: the online softmax of Milakov & Gimelshein (2018) on that vector, all in vectors: the
-//           running max by a butterfly over the lanes, the running sum kept by lane (added up once at
-//           the end), the accumulator rescaled once per chunk, exp as a vector;
-//   P V:     the accumulators [D] of several query heads (up to 8 vectors in all with AVX-512) held in
-//           registers while the chunk's W V rows are added into them, each V row loaded once for them.
-// Each K and V row is read once per chunk for all G query heads of its kv head, in place from the cache
-// (bf16 rows are widened as they are loaded). Sums run in another order than the general loop's, so the
-// two differ in the last bits (both within fp32 rounding of fp64 attention, tested).
+// One work item is a decode row and its kv heads g0 .. g0 + ng - 1 (all of them on one thread), and H =
+// ng x G query heads. For each chunk of W keys:
+//   scores:  for each kv head, its G query heads in blocks of up to 3 (qk_block): 3 heads x W / 2 keys
+//            of accumulators (12 vectors with AVX2's 16 registers) hold the partial sums over D while
+//            each K vector is loaded once for the 3 heads, so every FMA has a chain of its own; the W
+//            vectors of partial sums per head are reduced to one vector of W scores by a
+//            transpose-and-add tree (7 two-vector shuffles and 7 adds at W = 8);
+//   softmax: the online softmax of Milakov & Gimelshein (2018) on that vector, in vectors: the running
+//            max by a butterfly over the lanes, the running sum kept by lane (added up once at the end),
+//            the accumulator rescaled once per chunk, exp as a vector;
+//   P V:     for each kv head, its query heads in blocks of up to 3 (pv_block): 4 vectors of the head
+//            dim for each of the 3 heads held in registers while the chunk's V rows are added in, each V
+//            vector loaded once for the 3 heads.
+// While a chunk is computed, the next chunk's K and V rows (the item's heads) are asked into L2, a
+// couple of 64-byte lines at a time between the loops' steps (Prefetcher): blocks are scattered, and
+// the hardware's prefetcher does not cross into them; spreading the requests over the chunk's work keeps
+// the core from waiting at the miss buffers, where asking for a whole chunk at once held it up. 64
+// decodes of the vllm preset (contexts 64-288), 30 layers cold, AVX2-only EPYC: 131-143 ms with the
+// previous loop (one head at a time, a dot product as one FMA chain), 86-97 ms with this one; a plain
+// read of the same K/V takes 70-80 ms (docs/performance.md). K and V rows are read in place from the
+// cache (bf16 rows widened as they are loaded); keys past a row's context are never read (a chunk's
+// missing keys repeat its last key, masked to -inf). Sums run in another order than the general loop's,
+// so the two differ in the last bits (both within fp32 rounding of fp64 attention, tested).
 //
 // The vectors are GCC's vector extensions, one register each in the clone that runs them.
 #include "paged_attention.h"
@@ -61,42 +72,98 @@ LORAPLEX_INLINE v8 transpose_sum(const v8* t) {
          LORAPLEX_SHUFFLE8(b[0], b[1], 1, 3, 9, 11, 5, 7, 13, 15);
 }
 
-// acc [B, ND] <- acc x corr + the sum over the chunk's keys j < nk of p[., j] x V_j, for B query heads of
-// one kv head: their B x ND accumulators stay in registers and each V row is loaded once for all B.
-// corr [B] and p [B] vectors (p lane j: key j's probability).
-template <typename T, int ND, int B, typename V>
-LORAPLEX_INLINE void add_pv(V* acc, const V* p, const V* corr, const T* const* vrow, int64_t head,
-                            int64_t nk) {
-  constexpr int W = lanes_of<V>();
-  V o[B][ND];
-  for (int b = 0; b < B; ++b)
-    for (int c = 0; c < ND; ++c) o[b][c] = acc[b * ND + c] * corr[b];
-  for (int64_t j = 0; j < nk; ++j) {
-    V vj[ND];
-    for (int c = 0; c < ND; ++c) vj[c] = load<W>(vrow[j] + head + c * W);
-    for (int b = 0; b < B; ++b) {
-      const float pj = reinterpret_cast<const float*>(p + b)[j];
-      for (int c = 0; c < ND; ++c) o[b][c] += pj * vj[c];
-    }
-  }
-  for (int b = 0; b < B; ++b)
-    for (int c = 0; c < ND; ++c) acc[b * ND + c] = o[b][c];
+// The cache slot of key position pos of a request (its block table row `table`).
+LORAPLEX_INLINE int64_t slot_of(const int64_t* table, int64_t bs, int64_t pos) {
+  return table[pos / bs] * bs + pos % bs;
 }
 
-// scratch (64-byte aligned), in vectors of W lanes: qf [H, ND], acc [H, ND], dots [G, W], p [G], mx [H]
-// (the running max in every lane), sum [H] (running sums by lane, added up at the end), corr [G]; H =
-// ng x G query heads of the item. PV query heads at a time go through add_pv.
-template <typename T, int ND, int PV, int W>
+// The next chunk's K and V rows, asked into L2 (locality 1) a few 64-byte lines per step() as the loops
+// go: rows 2j and 2j + 1 are key j's K and V (span bytes each, the item's heads). `per` lines a step,
+// set from the previous chunk's count of steps so that a chunk's steps cover the next chunk's lines.
+struct Prefetcher {
+  const char* row[2 * kLanes];
+  int64_t rows = 0, r = 0, off = 0, span = 0, steps = 0;
+  int64_t per = 2;
+  inline __attribute__((always_inline)) void step() {
+    ++steps;
+    for (int64_t i = 0; i < per && r < rows; ++i) {
+      __builtin_prefetch(row[r] + off, 0, 1);
+      off += 64;
+      if (off >= span) {
+        off = 0;
+        ++r;
+      }
+    }
+  }
+};
+
+// dots[m, j] (m < MH, j < W: vectors of W partial sums over D) = q_m . k_j for MH query heads of one kv
+// head (q: [MH, ND] vectors, scaled) and the chunk's W keys (kr[j] + head: key j's row of the kv head),
+// KJ keys at a time: MH x KJ accumulators in registers, each K vector loaded once for the MH heads.
+template <typename T, int ND, int W, int MH, int KJ>
+LORAPLEX_INLINE void qk_block(const typename VecOf<W>::f* q, const T* const* kr, int64_t head,
+                              typename VecOf<W>::f* dots, Prefetcher& pf) {
+  using V = typename VecOf<W>::f;
+  for (int j0 = 0; j0 < W; j0 += KJ) {
+    V s[MH][KJ];
+    for (int m = 0; m < MH; ++m)
+      for (int j = 0; j < KJ; ++j) s[m][j] = V{};
+    for (int c = 0; c < ND; ++c) {
+      pf.step();
+      V qc[MH];
+      for (int m = 0; m < MH; ++m) qc[m] = q[m * ND + c];
+      for (int j = 0; j < KJ; ++j) {
+        const V k = load<W>(kr[j0 + j] + head + c * W);
+        for (int m = 0; m < MH; ++m) s[m][j] += qc[m] * k;
+      }
+    }
+    for (int m = 0; m < MH; ++m)
+      for (int j = 0; j < KJ; ++j) dots[m * W + j0 + j] = s[m][j];
+  }
+}
+
+// acc[m] <- acc[m] x corr[m] + sum over j < nk of p[m][j] V_j (vr[j] + head: key j's V row of the kv
+// head), m < MH query heads of one kv head (acc: [MH, ND] vectors; p: MH vectors of W probabilities):
+// CB vectors of the head dim at a time, so MH x CB accumulators stay in registers and each V vector is
+// loaded once for the MH heads.
+template <typename T, int ND, int W, int MH>
+LORAPLEX_INLINE void pv_block(typename VecOf<W>::f* acc, const typename VecOf<W>::f* corr,
+                              const typename VecOf<W>::f* p, int64_t nk, const T* const* vr, int64_t head,
+                              Prefetcher& pf) {
+  using V = typename VecOf<W>::f;
+  constexpr int CB = ND < (MH == 1 ? 8 : 4) ? ND : (MH == 1 ? 8 : 4);
+  for (int c0 = 0; c0 < ND; c0 += CB) {
+    V o[MH][CB];
+    for (int m = 0; m < MH; ++m)
+      for (int c = 0; c < CB; ++c) o[m][c] = acc[m * ND + c0 + c] * corr[m];
+    for (int64_t j = 0; j < nk; ++j) {
+      pf.step();
+      float pj[MH];
+      for (int m = 0; m < MH; ++m) pj[m] = reinterpret_cast<const float*>(p + m)[j];
+      for (int c = 0; c < CB; ++c) {
+        const V v = load<W>(vr[j] + head + (c0 + c) * W);
+        for (int m = 0; m < MH; ++m) o[m][c] += pj[m] * v;
+      }
+    }
+    for (int m = 0; m < MH; ++m)
+      for (int c = 0; c < CB; ++c) acc[m * ND + c0 + c] = o[m][c];
+  }
+}
+
+// scratch (64-byte aligned), in vectors of W lanes: qf [H, ND] (scaled queries), acc [H, ND], dots
+// [H, W], p [H], mx [H] (the running max in every lane), sum [H] (running sums by lane, added up at the
+// end), corr [H].
+template <typename T, int ND, int W>
 LORAPLEX_CLONES void decode(const Args<T>& a, int64_t row, int64_t seq, int64_t ctx, int64_t g0, int64_t ng,
                             float* scratch) {
   using V = typename VecOf<W>::f;
   using VI = typename VecOf<W>::i;
-  const int64_t G = a.G, H = ng * G, bs = a.bs;
+  const int64_t G = a.G, H = ng * G;
   V* qf = reinterpret_cast<V*>(scratch);
   V* acc = qf + H * ND;
   V* dots = acc + H * ND;
-  V* p = dots + G * W;
-  V* mx = p + G;
+  V* p = dots + H * W;
+  V* mx = p + H;
   V* sum = mx + H;
   V* corr = sum + H;
   const V neg_inf = splat<V>(-std::numeric_limits<float>::infinity());
@@ -111,64 +178,52 @@ LORAPLEX_CLONES void decode(const Args<T>& a, int64_t row, int64_t seq, int64_t 
   }
   const VI lane = lane_index<W>();
   const int64_t* table = a.tables + seq * a.table_stride;
-  const int64_t row_bytes = a.D * static_cast<int64_t>(sizeof(T));  // one kv head's row of a slot
-  const T* krow[W];
-  const T* vrow[W];
+  const int64_t first = g0 * a.kv_head;  // the item's heads: elements first .. first + ng x kv_head of a slot
+  Prefetcher pf;
+  pf.span = ng * a.kv_head * static_cast<int64_t>(sizeof(T));
+  const T* kr[W];
+  const T* vr[W];
   for (int64_t start = 0; start < ctx; start += W) {
     const int64_t nk = std::min<int64_t>(W, ctx - start);
-    for (int64_t j = 0; j < nk; ++j) {
-      const int64_t pos = start + j, slot = table[pos / bs] * bs + pos % bs;
-      krow[j] = a.k + slot * a.slot_stride;
-      vrow[j] = a.v + slot * a.slot_stride;
+    for (int64_t j = 0; j < W; ++j) {
+      const int64_t slot = slot_of(table, a.bs, start + std::min<int64_t>(j, nk - 1));  // past nk: key nk - 1
+      kr[j] = a.k + slot * a.slot_stride + first;
+      vr[j] = a.v + slot * a.slot_stride + first;
     }
-    // The next chunk's slots, prefetched while this one is used (blocks are scattered, and the hardware's
-    // prefetcher stops at page ends): each kv head's row of key j as that head reads key j here, so the
-    // requests are spread over the chunk's work, and into L2 (locality 1). Asking for all of a chunk's
-    // rows at once into L1, as this loop did before, held the core up at the miss buffers: 64 decodes of
-    // 64-288 tokens, 30 layers cold, 84 -> 49 ms (docs/performance.md).
-    const int64_t npf = std::max<int64_t>(0, std::min<int64_t>(W, ctx - start - W));
-    const char* kpf[W];
-    const char* vpf[W];
-    for (int64_t j = 0; j < npf; ++j) {
-      const int64_t pos = start + W + j, slot = table[pos / bs] * bs + pos % bs;
-      kpf[j] = reinterpret_cast<const char*>(a.k + slot * a.slot_stride);
-      vpf[j] = reinterpret_cast<const char*>(a.v + slot * a.slot_stride);
+    // the next chunk's rows, spread over this chunk's steps
+    const int64_t next = std::max<int64_t>(0, std::min<int64_t>(W, ctx - start - W));
+    if (pf.steps > 0) pf.per = std::max<int64_t>(1, (2 * next * ((pf.span + 63) / 64) + pf.steps - 1) / pf.steps);
+    pf.rows = pf.r = pf.off = pf.steps = 0;
+    for (int64_t j = 0; j < next; ++j) {
+      const int64_t slot = slot_of(table, a.bs, start + W + j);
+      pf.row[pf.rows++] = reinterpret_cast<const char*>(a.k + slot * a.slot_stride + first);
+      pf.row[pf.rows++] = reinterpret_cast<const char*>(a.v + slot * a.slot_stride + first);
+    }
+    // each kv head's G query heads in blocks of 3, then 2 or 1 (no lambdas here: they would not be
+    // compiled for the clone's target)
+    for (int64_t gi = 0; gi < ng; ++gi) {
+      const int64_t head = gi * a.kv_head;
+      int64_t h = gi * G;
+      for (; h + 3 <= (gi + 1) * G; h += 3) qk_block<T, ND, W, 3, W / 2>(qf + h * ND, kr, head, dots + h * W, pf);
+      if ((gi + 1) * G - h == 2) qk_block<T, ND, W, 2, W / 2>(qf + h * ND, kr, head, dots + h * W, pf);
+      else if ((gi + 1) * G - h == 1) qk_block<T, ND, W, 1, W>(qf + h * ND, kr, head, dots + h * W, pf);
+    }
+    // the online softmax on vectors, with no scalar chain over the W lanes: the max by a butterfly, the
+    // sums kept by lane
+    for (int64_t h = 0; h < H; ++h) {
+      const V s = lane < static_cast<int32_t>(nk) ? transpose_sum(dots + h * W) : neg_inf;
+      const V best = all_max(mx[h] > s ? mx[h] : s);  // the running max, in every lane
+      corr[h] = exp_nonpositive(mx[h] - best);          // exp(-inf) = 0 on the first chunk
+      p[h] = exp_nonpositive(s - best);
+      mx[h] = best;
+      sum[h] = sum[h] * corr[h] + p[h];
     }
     for (int64_t gi = 0; gi < ng; ++gi) {
-      const int64_t head = (g0 + gi) * a.kv_head;
-      const V* qg = qf + gi * G * ND;
-      const int64_t head_bytes = head * static_cast<int64_t>(sizeof(T));
-      for (int64_t j = 0; j < nk; ++j) {
-        if (j < npf) {
-          for (int64_t off = head_bytes; off < head_bytes + row_bytes; off += 64) {
-            __builtin_prefetch(kpf[j] + off, 0, 1);
-            __builtin_prefetch(vpf[j] + off, 0, 1);
-          }
-        }
-        V kj[ND];
-        for (int c = 0; c < ND; ++c) kj[c] = load<W>(krow[j] + head + c * W);
-        for (int64_t m = 0; m < G; ++m) {
-          V s = qg[m * ND] * kj[0];
-          for (int c = 1; c < ND; ++c) s += qg[m * ND + c] * kj[c];
-          dots[m * W + j] = s;
-        }
-      }
-      // the online softmax on vectors, with no scalar chain over the W lanes: the max by a butterfly,
-      // the sums kept by lane
-      for (int64_t m = 0; m < G; ++m) {
-        for (int64_t j = nk; j < W; ++j) dots[m * W + j] = V{};
-        const int64_t qi = gi * G + m;
-        const V s = lane < static_cast<int32_t>(nk) ? transpose_sum(dots + m * W) : neg_inf;
-        const V best = all_max(mx[qi] > s ? mx[qi] : s);  // the running max, in every lane
-        corr[m] = exp_nonpositive(mx[qi] - best);            // exp(-inf) = 0 on the first chunk
-        p[m] = exp_nonpositive(s - best);
-        mx[qi] = best;
-        sum[qi] = sum[qi] * corr[m] + p[m];
-      }
-      V* am = acc + gi * G * ND;
-      int64_t m = 0;
-      for (; m + PV <= G; m += PV) add_pv<T, ND, PV, V>(am + m * ND, p + m, corr + m, vrow, head, nk);
-      for (; m < G; ++m) add_pv<T, ND, 1, V>(am + m * ND, p + m, corr + m, vrow, head, nk);
+      const int64_t head = gi * a.kv_head;
+      int64_t h = gi * G;
+      for (; h + 3 <= (gi + 1) * G; h += 3) pv_block<T, ND, W, 3>(acc + h * ND, corr + h, p + h, nk, vr, head, pf);
+      if ((gi + 1) * G - h == 2) pv_block<T, ND, W, 2>(acc + h * ND, corr + h, p + h, nk, vr, head, pf);
+      else if ((gi + 1) * G - h == 1) pv_block<T, ND, W, 1>(acc + h * ND, corr + h, p + h, nk, vr, head, pf);
     }
   }
   for (int64_t h = 0; h < H; ++h) {
@@ -179,20 +234,11 @@ LORAPLEX_CLONES void decode(const Args<T>& a, int64_t row, int64_t seq, int64_t 
   }
 }
 
-// Query heads per P V block: enough independent accumulators (PV x ND vectors, one register each) to
-// keep both FMA pipes busy through their latency, few enough to stay in registers with the V row's ND:
-// 8, at most 4 heads (one head at D = 64 with AVX2's 8 lanes, 2 with AVX-512's 16). With AVX2 at D = 128
-// and up, one head's ND accumulators already exceed the 16 registers and GCC spills some (not timed).
-template <int ND>
-constexpr int pv_heads() {
-  return ND >= 8 ? 1 : 8 / ND > 4 ? 4 : 8 / ND;
-}
-
 template <typename T>
 void dispatch(const Args<T>& a, int64_t row, int64_t seq, int64_t ctx, int64_t g0, int64_t ng, float* scratch) {
   with_lanes(a.D, [&](auto w, auto nd) {
     constexpr int ND = decltype(nd)::value;
-    decode<T, ND, pv_heads<ND>(), decltype(w)::value>(a, row, seq, ctx, g0, ng, scratch);
+    decode<T, ND, decltype(w)::value>(a, row, seq, ctx, g0, ng, scratch);
   });
 }
 
@@ -204,7 +250,8 @@ bool decode_supported(int64_t D) {
 }
 
 int64_t decode_scratch(int64_t nH, int64_t D, int64_t G) {
-  return 2 * nH * D + (G * kLanes + G + 2 * nH + G) * kLanes;
+  (void)G;
+  return 2 * nH * D + (nH * kLanes + 4 * nH) * kLanes;  // qf, acc; dots, p, mx, sum, corr (W <= kLanes)
 }
 
 void decode_rows(const Args<float>& a, int64_t row, int64_t seq, int64_t ctx, int64_t g0, int64_t ng, float* scratch) {
