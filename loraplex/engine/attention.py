@@ -20,7 +20,7 @@ which reads K/V in place through the block table, in fp32: no gather, no padded 
 row runs its vector loop (`paged_decode_cpu.cpp`: chunks of 16 keys with AVX-512, 8 with AVX2, the
 query heads of a kv head in register blocks sharing each K/V load, the next chunk prefetched as it
 goes); a tile of prefill rows the prefill loop (`paged_prefill_cpu.cpp`: flash attention over
-16-key chunks, K transposed once per chunk for all the tile's queries). Against `_prefill_matmul` (two
+chunks of 32 keys with AVX-512, 16 with AVX2, K transposed once per chunk for all the tile's queries). Against `_prefill_matmul` (two
 bmm GEMMs and a softmax per tile, which stays for other dtypes and head dims, and under
 PREFILL_KERNEL = False), the 64 prompts of the vllm preset, one layer, fp32, one thread, 2-core AMD
 EPYC (avx2 avx512f avx512_bf16): 64-76 ms -> 22-25 ms. Elsewhere,

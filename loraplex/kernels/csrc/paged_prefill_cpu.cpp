@@ -5,16 +5,16 @@
 // m = i x G + h.
 //
 // Flash attention's tiling (Dao et al. 2022) with the online softmax of Milakov & Gimelshein (2018):
-// for each chunk of W keys (W = 16 fp32 lanes with AVX-512, 8 with AVX2; paged_vec.h),
-//   K^T:     the chunk's W K rows are transposed into D vectors of W keys (a W x W transpose by
+// for each chunk of 2 W keys (W = 16 fp32 lanes with AVX-512, 8 with AVX2; paged_vec.h),
+//   K^T:     the chunk's K rows are transposed into D x 2 vectors of W keys (a W x W transpose by
 //            two-vector shuffles per W columns), once for all M queries;
-//   scores:  8 queries at a time, s_m = sum over d of q[m, d] x K^T[d], one vector of W scores per
-//            query made by D fused multiply-adds (one K^T load shared by 8 of them), no horizontal sums;
-//            keys past a query's context are set to -inf by a lane select;
+//   scores:  4 queries at a time, s_m = sum over d of q[m, d] x K^T[d], two vectors of W scores per
+//            query made by fused multiply-adds (each K^T load shared by the 4 queries), no horizontal
+//            sums; keys past a query's context are set to -inf by a lane select;
 //   softmax: the running max and sum per query, the accumulator rescaled once per chunk, exp as a vector;
-//   P V:     2 queries at a time (1 with AVX2's 16 registers) hold their accumulators [D] in registers
-//            while the chunk's V rows are added in (one V load shared by both).
-// So the products run at GEMM-like density (8 or 4 FMAs per load) with no score matrix in memory, no
+//   P V:     3 queries at a time hold 4 vectors each of their accumulators in registers while the
+//            chunk's V rows are added in (one V load shared by the 3).
+// So the products run at GEMM-like density with no score matrix in memory, no
 // mask tensor and no padded copy of the context; the general loop (attend) did one dot product and one
 // horizontal sum per (query, key). A query takes a chunk's keys only up to its own context, so a row
 // never sees a later row's key; P V multiplies such keys by a probability of 0, and since they are the
@@ -33,13 +33,12 @@ namespace {
 
 using namespace vec;
 
-constexpr int kScoreQueries = 8;  // queries per score block: 8 accumulators of W lanes
-
-// Queries per P V block: 2 x ND accumulators with AVX-512's 32 registers (4 measured the same), 1 (ND = 8
-// at D = 64) with AVX2's 16. At D = 128 and up with AVX2 even one query's ND accumulators do not fit, and
-// GCC spills some of them (read off the build; not timed: the default model has D = 64).
-template <int W>
-constexpr int pv_queries() { return W == 16 ? 2 : 1; }
+// A chunk is kKV vectors of W keys. Scores: kQB queries x kKV vectors of accumulators (8), each K^T
+// load shared by kQB queries and each query's broadcast by kKV vectors. P V: kPQ queries x 4 vectors of
+// the head dim (12 accumulators, within AVX2's 16 registers with the V vector and kPQ probabilities), each
+// V load shared by kPQ queries. 4 x 128 fresh tokens, 30 layers, AVX2-only EPYC, fp32: 142-177 ms with
+// 8-key chunks, 8 x 1 score blocks and one query per P V block; 127-142 ms with these.
+constexpr int kQB = 4, kKV = 2, kPQ = 3;
 
 // rows[r] <- column r of the 16 x 16 block rows[0..15] (row j lane d -> row d lane j): four levels, each
 // swapping the off-diagonal s x s sub-blocks of every 2s x 2s block (s = 8, 4, 2, 1), two shuffles per
@@ -83,35 +82,37 @@ LORAPLEX_INLINE void transpose(v8* r) {
 #undef LORAPLEX_SWAP8
 }
 
-// scratch (64-byte aligned), in vectors of W lanes: kt [D], qf [Mp, ND], acc [M, ND], p [Mp], mx [Mp] (the running
-// max in every lane), sum [Mp] (running sums by lane, added up at the end), corr [Mp]; Mp = M rounded up
-// to kScoreQueries (the padding queries are 0 and never used).
+// scratch (64-byte aligned), in vectors of W lanes: kt [D, kKV] (the chunk's K^T: kt[kKV d + h] holds keys
+// hW .. hW + W - 1 at dim d), qf [Mp, ND], acc [Mp, ND], p [Mp, kKV], mx [Mp] (the running max in every
+// lane), sum [Mp] (running sums by lane, added up at the end), corr [Mp]; Mp = M rounded up to kQB, plus
+// kPQ (the padding queries are 0 and never written out).
 template <typename T, int ND, int W>
 LORAPLEX_CLONES void prefill(const Args<T>& a, int64_t row0, int64_t n, int64_t seq, int64_t ctx0, int64_t g,
                              float* scratch) {
   using V = typename VecOf<W>::f;
   using VI = typename VecOf<W>::i;
-  constexpr int kPvq = pv_queries<W>();
+  constexpr int KC = kKV * W;
   constexpr int D = ND * W;
-  const int64_t G = a.G, M = n * G, Mp = (M + kScoreQueries - 1) / kScoreQueries * kScoreQueries, bs = a.bs;
+  constexpr int CB = ND < 4 ? ND : 4;
+  const int64_t G = a.G, M = n * G, Mp = (M + kQB - 1) / kQB * kQB + kPQ;
   V* kt = reinterpret_cast<V*>(scratch);
-  float* qf = reinterpret_cast<float*>(kt + D);  // [Mp, D]
+  float* qf = reinterpret_cast<float*>(kt + kKV * D);  // [Mp, D]
   V* acc = reinterpret_cast<V*>(qf + Mp * D);
-  V* p = acc + M * ND;
-  V* mx = p + Mp;
+  V* p = acc + Mp * ND;
+  V* mx = p + kKV * Mp;
   V* sum = mx + Mp;
   V* corr = sum + Mp;
   for (int64_t m = 0; m < Mp; ++m) {
     V* qm = reinterpret_cast<V*>(qf + m * D);
     if (m < M) {
       const T* qr = a.q + (row0 + m / G) * a.q_row + (g * G + m % G) * a.q_head;
-      for (int c = 0; c < ND; ++c) {
-        qm[c] = load<W>(qr + c * W) * a.scale;
-        acc[m * ND + c] = V{};
-      }
+      for (int c = 0; c < ND; ++c) qm[c] = load<W>(qr + c * W) * a.scale;
     } else {
       for (int c = 0; c < ND; ++c) qm[c] = V{};
     }
+    for (int c = 0; c < ND; ++c) acc[m * ND + c] = V{};
+    for (int h = 0; h < kKV; ++h) p[kKV * m + h] = V{};
+    corr[m] = V{};
     mx[m] = splat<V>(-std::numeric_limits<float>::infinity());
     sum[m] = V{};
   }
@@ -120,60 +121,78 @@ LORAPLEX_CLONES void prefill(const Args<T>& a, int64_t row0, int64_t n, int64_t 
   const int64_t* table = a.tables + seq * a.table_stride;
   const int64_t head = g * a.kv_head;
   const int64_t last = ctx0 + n - 1;  // keys the tile's last row attends
-  const T* krow[W];
-  const T* vrow[W];
-  for (int64_t start = 0; start < last; start += W) {
-    const int64_t nk = std::min<int64_t>(W, last - start);
-    V rows[W];
-    for (int64_t j = 0; j < nk; ++j) {
-      const int64_t pos = start + j, slot = table[pos / bs] * bs + pos % bs;
+  const T* krow[KC];
+  const T* vrow[KC];
+  for (int64_t start = 0; start < last; start += KC) {
+    const int64_t nk = std::min<int64_t>(KC, last - start);
+    for (int64_t j = 0; j < KC; ++j) {
+      const int64_t pos = start + std::min<int64_t>(j, nk - 1), slot = table[pos / a.bs] * a.bs + pos % a.bs;
       krow[j] = a.k + slot * a.slot_stride + head;
       vrow[j] = a.v + slot * a.slot_stride + head;
     }
-    for (int c = 0; c < ND; ++c) {
-      for (int64_t j = 0; j < W; ++j) rows[j] = j < nk ? load<W>(krow[j] + c * W) : V{};
-      transpose(rows);
-      for (int d = 0; d < W; ++d) kt[c * W + d] = rows[d];
-    }
-    // queries before `first` see none of this chunk's keys (their rows end before it)
-    const int64_t first = std::max<int64_t>(0, (start - ctx0 + 1) * G);
-    for (int64_t m0 = first / kScoreQueries * kScoreQueries; m0 < M; m0 += kScoreQueries) {
-      V s[kScoreQueries] = {};
-      for (int d = 0; d < D; ++d) {
-        const V kd = kt[d];
-        for (int i = 0; i < kScoreQueries; ++i) s[i] += qf[(m0 + i) * D + d] * kd;
+    for (int h = 0; h < kKV; ++h) {
+      for (int c = 0; c < ND; ++c) {
+        V rows[W];
+        for (int j = 0; j < W; ++j) rows[j] = load<W>(krow[h * W + j] + c * W);
+        transpose(rows);
+        for (int d = 0; d < W; ++d) kt[kKV * (c * W + d) + h] = rows[d];
       }
-      for (int i = 0; i < kScoreQueries && m0 + i < M; ++i) {
+    }
+    const int64_t first = std::max<int64_t>(0, (start - ctx0 + 1) * G);
+    for (int64_t m0 = first / kQB * kQB; m0 < M; m0 += kQB) {
+      V s[kQB][kKV] = {};
+      for (int d = 0; d < D; ++d) {
+        V kd[kKV];
+        for (int h = 0; h < kKV; ++h) kd[h] = kt[kKV * d + h];
+        for (int i = 0; i < kQB; ++i) {
+          const float qd = qf[(m0 + i) * D + d];
+          for (int h = 0; h < kKV; ++h) s[i][h] += qd * kd[h];
+        }
+      }
+      for (int i = 0; i < kQB && m0 + i < M; ++i) {
         const int64_t m = m0 + i;
-        const int64_t limit = std::min(nk, ctx0 + m / G - start);  // this query's keys in the chunk
+        const int64_t limit = std::min(nk, ctx0 + m / G - start);
         if (limit <= 0) {
           corr[m] = splat<V>(1.f);
-          p[m] = V{};
+          for (int h = 0; h < kKV; ++h) p[kKV * m + h] = V{};
           continue;
         }
-        const V sm = lane < static_cast<int32_t>(limit) ? s[i] : neg_inf;
-        const V best = all_max(mx[m] > sm ? mx[m] : sm);  // the running max, in every lane
-        corr[m] = exp_nonpositive(mx[m] - best);            // exp(-inf) = 0 on a query's first chunk
-        p[m] = exp_nonpositive(sm - best);
+        V hi = mx[m];
+        for (int h = 0; h < kKV; ++h) {
+          s[i][h] = lane + h * W < static_cast<int32_t>(limit) ? s[i][h] : neg_inf;
+          hi = hi > s[i][h] ? hi : s[i][h];
+        }
+        const V best = all_max(hi);
+        corr[m] = exp_nonpositive(mx[m] - best);
+        V tot = sum[m] * corr[m];
+        for (int h = 0; h < kKV; ++h) {
+          const V e = exp_nonpositive(s[i][h] - best);
+          p[kKV * m + h] = e;
+          tot += e;
+        }
         mx[m] = best;
-        sum[m] = sum[m] * corr[m] + p[m];  // lane j: the running sum of the scores at lanes j
+        sum[m] = tot;
       }
     }
-    for (int64_t m0 = first; m0 < M; m0 += kPvq) {
-      const int nq = static_cast<int>(std::min<int64_t>(kPvq, M - m0));
-      V o[kPvq][ND];
-      for (int i = 0; i < kPvq; ++i)
-        for (int c = 0; c < ND; ++c) o[i][c] = i < nq ? acc[(m0 + i) * ND + c] * corr[m0 + i] : V{};
-      for (int64_t j = 0; j < nk; ++j) {
-        V vj[ND];
-        for (int c = 0; c < ND; ++c) vj[c] = load<W>(vrow[j] + c * W);
-        for (int i = 0; i < kPvq; ++i) {
-          const float pj = i < nq ? reinterpret_cast<const float*>(p + m0 + i)[j] : 0.f;
-          for (int c = 0; c < ND; ++c) o[i][c] += pj * vj[c];
+    for (int64_t m0 = first; m0 < M; m0 += kPQ) {
+      // queries past M: padding (p = 0, corr = 0, acc = 0; written back, never read out)
+      const float* pm[kPQ];
+      for (int i = 0; i < kPQ; ++i) pm[i] = reinterpret_cast<const float*>(p + kKV * (m0 + i));
+      for (int c0 = 0; c0 < ND; c0 += CB) {
+        V o[kPQ][CB];
+        for (int i = 0; i < kPQ; ++i)
+          for (int c = 0; c < CB; ++c) o[i][c] = acc[(m0 + i) * ND + c0 + c] * corr[m0 + i];
+        for (int64_t j = 0; j < nk; ++j) {
+          float pj[kPQ];
+          for (int i = 0; i < kPQ; ++i) pj[i] = pm[i][j];
+          for (int c = 0; c < CB; ++c) {
+            const V v = load<W>(vrow[j] + (c0 + c) * W);
+            for (int i = 0; i < kPQ; ++i) o[i][c] += pj[i] * v;
+          }
         }
+        for (int i = 0; i < kPQ; ++i)
+          for (int c = 0; c < CB; ++c) acc[(m0 + i) * ND + c0 + c] = o[i][c];
       }
-      for (int i = 0; i < nq; ++i)
-        for (int c = 0; c < ND; ++c) acc[(m0 + i) * ND + c] = o[i][c];
     }
   }
   for (int64_t m = 0; m < M; ++m) {
@@ -194,8 +213,8 @@ void dispatch(const Args<T>& a, int64_t row0, int64_t n, int64_t seq, int64_t ct
 }  // namespace
 
 int64_t prefill_scratch(int64_t M, int64_t D) {
-  const int64_t Mp = (M + kScoreQueries - 1) / kScoreQueries * kScoreQueries;
-  return D * kLanes + Mp * D + M * D + 4 * Mp * kLanes;
+  const int64_t Mp = (M + kQB - 1) / kQB * kQB + kPQ;
+  return kKV * D * kLanes + 2 * Mp * D + (kKV + 3) * Mp * kLanes;
 }
 
 void prefill_rows(const Args<float>& a, int64_t row0, int64_t n, int64_t seq, int64_t ctx0, int64_t g,
