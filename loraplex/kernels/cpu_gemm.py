@@ -173,7 +173,7 @@ def resolve(name: str | None, dtype: torch.dtype) -> str | None:
     if name not in ("auto", "avx2"):
         return name
     ext = cpu_ext.load() if dtype == torch.float32 else None
-    fits = ext is not None and ext.gemm_avx2_available() and (name == "avx2" or not ext.avx512_available())
+    fits = ext is not None and ext.avx2_available() and (name == "avx2" or not ext.avx512_available())
     if name == "avx2" and not fits:
         logger.info("base linears use onednn, not avx2 (it takes fp32 weights, the CPU kernels built, AVX2 + FMA)")
     return "avx2" if fits else "onednn"
@@ -211,7 +211,7 @@ def _packed_bytes(name: str, weight: torch.Tensor) -> int:
     if name == "onednn":
         return weight.numel() * weight.element_size()
     if name == "avx2":
-        return -(-weight.shape[0] // 16) * 16 * weight.shape[1] * 4
+        return cpu_ext.load().gemm_avx2_floats(*weight.shape) * 4
     return cpu_ext.load().packed_gemm_bytes(*weight.shape)
 
 

@@ -26,7 +26,7 @@ def _random_linear(n: int, k: int, bias: bool, gen: torch.Generator) -> nn.Linea
     return lin
 
 
-AVX2 = ext is not None and ext.gemm_avx2_available()
+AVX2 = ext is not None and ext.avx2_available()
 needs_avx2 = pytest.mark.skipif(not AVX2, reason="this CPU has no AVX2 + FMA")
 EACH_BACKEND = [pytest.param(name, marks=needs_avx2) if name == "avx2" else name for name in cpu_gemm.BACKENDS]
 
@@ -122,6 +122,9 @@ def test_avx2_gemm_threads_strided_rows_and_empty_calls_agree_with_f_linear(thre
 @needs_avx2
 def test_avx2_gemm_refuses_a_packed_weight_of_another_shape_a_view_or_another_dtype():
     packed = ext.gemm_avx2_pack(torch.randn(32, 16))
+    # whole panels of 16 columns: 33 columns take three
+    assert [ext.gemm_avx2_floats(32, 16), ext.gemm_avx2_floats(33, 5)] == [512, 3 * 16 * 5]
+    assert ext.gemm_avx2_pack(torch.randn(33, 5)).numel() == 240
     with pytest.raises(RuntimeError, match="packed has 512 floats, an \\[49152, 576\\] weight packs to 28311552"):
         ext.gemm_avx2_linear(torch.randn(4, 576), packed, 49152)
     with pytest.raises(RuntimeError, match="not 32-byte aligned"):

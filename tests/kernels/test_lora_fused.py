@@ -135,7 +135,7 @@ def test_fused_shrink_over_a_packed_base(name, dtype, num_tokens, monkeypatch):
         pytest.skip("this CPU has no oneDNN bf16 kernels, so bf16 weights are not packed")
     if name == "onednn" and dtype == torch.float32 and num_tokens == 1:
         pytest.skip("oneDNN's fp32 decoder range starts at 2 rows")
-    if name == "avx2" and (cpu_ext.load() is None or not cpu_ext.load().gemm_avx2_available()):
+    if name == "avx2" and (cpu_ext.load() is None or not cpu_ext.load().avx2_available()):
         pytest.skip("the CPU kernels are not built, or this CPU has no AVX2 + FMA")
     monkeypatch.setattr(cpu_gemm, "backend", name)
     case, linear, base = _fused_case(num_tokens, "uniform", 3, dtype, 8, seed=11)

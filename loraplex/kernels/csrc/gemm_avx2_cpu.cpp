@@ -37,14 +37,6 @@ constexpr int64_t kBlockBytes = 256 << 10;  // x rows per block: about this many
 int64_t num_panels(int64_t n) { return (n + kNR - 1) / kNR; }
 
 #if defined(LORAPLEX_GEMM_X86)
-bool has_avx2_fma() {
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return yes;
-}
-
 // c [R, cols] (row stride ldc) = bias[:cols] + a [R, K] (row stride lda) @ panel b [K, NR], R <= MR, cols <= NR.
 // bias: NR floats (zero-padded past N) or nullptr. With Prefetch, the K rows of the panel at `next` (64
 // bytes each) are asked into L1 as the loop goes, one per k: the first tile of a panel brings in the next
@@ -122,13 +114,14 @@ LORAPLEX_AVX2_FMA void gemm_panels(const float* x, int64_t lda, int64_t m, int64
     }
   }
 }
-#else
-bool has_avx2_fma() { return false; }
 #endif
 
 }  // namespace
 
-bool gemm_avx2_available() { return has_avx2_fma(); }
+bool avx2_available();  // bgmv_cpu.cpp: the CPU has AVX2 and FMA
+
+// Floats of gemm_avx2_pack's result for an [N, K] weight: N padded to whole panels.
+int64_t gemm_avx2_floats(int64_t n, int64_t k) { return num_panels(n) * k * kNR; }
 
 // weight [N, K] fp32 (an nn.Linear's) -> [ceil(N / NR) * K * NR] fp32 panels (layout above).
 at::Tensor gemm_avx2_pack(const at::Tensor& weight) {
@@ -146,7 +139,7 @@ at::Tensor gemm_avx2_pack(const at::Tensor& weight) {
 // -> [M, N] = x @ weight^T (+ bias).
 at::Tensor gemm_avx2_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                             const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(has_avx2_fma(), "gemm_avx2_linear: this CPU has no AVX2 + FMA");
+  TORCH_CHECK(avx2_available(), "gemm_avx2_linear: this CPU has no AVX2 + FMA");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "gemm_avx2_linear: x must be a 2-D fp32 CPU tensor");
   const at::Tensor a = x.stride(1) == 1 && x.stride(0) >= x.size(1) ? x : x.contiguous();

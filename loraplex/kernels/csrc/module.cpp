@@ -16,7 +16,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
 void rope_inplace(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim);
 at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& r, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
-bool gemm_avx2_available();
+int64_t gemm_avx2_floats(int64_t n, int64_t k);
 at::Tensor gemm_avx2_pack(const at::Tensor& weight);
 at::Tensor gemm_avx2_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                             const c10::optional<at::Tensor>& bias);
@@ -30,14 +30,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bgmv", &bgmv, "Multi-adapter LoRA, one adapter per row, in place on y (see bgmv_cpu.cpp)");
   m.def("avx512_available", &avx512_available, "Whether this CPU runs the AVX-512 path");
   m.def("bgmv_lanes", &bgmv_lanes, "The lanes of the path bgmv takes for fp32 or not, capped at max_lanes: 16, 8 or 0");
-  m.def("avx2_available", &avx2_available, "Whether this CPU runs the AVX2 path (fp32 only) where it has no AVX-512");
+  m.def("avx2_available", &avx2_available, "Whether this CPU has AVX2 + FMA (the fp32 AVX2 paths of bgmv and gemm_avx2_linear)");
   m.def("avx512_bf16_available", &avx512_bf16_available, "Whether its bf16 shrink multiplies bf16 pairs");
   m.def("paged_attention", &paged_attention,
         "Attention of each row over its request's K/V read through the block table (see paged_attention_cpu.cpp)");
   m.def("rope_inplace", &rope_inplace, "RoPE in place on the first heads of each row, fp32 (see rope_cpu.cpp)");
   m.def("add_rms_norm", &add_rms_norm, "x += r in place, then RMSNorm of x, fp32 (see norm_act_cpu.cpp)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up output, fp32 (see norm_act_cpu.cpp)");
-  m.def("gemm_avx2_available", &gemm_avx2_available, "Whether this CPU runs gemm_avx2_linear (AVX2 + FMA)");
+  m.def("gemm_avx2_floats", &gemm_avx2_floats, "Floats of gemm_avx2_pack's result for an [N, K] weight");
   m.def("gemm_avx2_pack", &gemm_avx2_pack, "An fp32 [N, K] weight packed in panels for gemm_avx2_linear");
   m.def("gemm_avx2_linear", &gemm_avx2_linear, "x @ weight^T (+ bias) on a packed weight (see gemm_avx2_cpu.cpp)",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
