@@ -78,8 +78,9 @@ def path(request, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 3e-6), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
-@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 1, 32), (4, 4, 128), (8, 2, 16), (2, 1, 256), (4, 2, 80)],
-                         ids=["gqa", "mqa-32", "mha", "d16", "d256", "d80-general-loop"])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 1, 32), (16, 2, 64), (4, 4, 128), (8, 2, 16), (2, 1, 256),
+                                   (4, 2, 80)],
+                         ids=["gqa", "mqa-32", "gqa-8", "mha", "d16", "d256", "d80-general-loop"])
 def test_mixed_step_matches_fp64_attention(path, dtype, tol, heads):
     nh, nkv, d = heads
     gen = torch.Generator().manual_seed(0)

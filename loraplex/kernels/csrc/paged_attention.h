@@ -1,7 +1,7 @@
 // Shared by the paged attention's three loops: the general one (paged_attention_cpu.cpp: any tile of
-// rows, any dtype and head dim), the decode one (paged_decode_cpu.cpp: one row per request, 16 keys per
-// vector) and the prefill one (paged_prefill_cpu.cpp: tiles of prefill rows, 16-key chunks). Letters and
-// layouts as in paged_attention_cpu.cpp.
+// rows, any dtype and head dim), the decode one (paged_decode_cpu.cpp: one row per request, chunks of W
+// keys) and the prefill one (paged_prefill_cpu.cpp: tiles of prefill rows, chunks of 2 W keys); W = 16
+// lanes with AVX-512, 8 with AVX2 (paged_vec.h). Letters and layouts as in paged_attention_cpu.cpp.
 #pragma once
 
 #include <c10/util/BFloat16.h>

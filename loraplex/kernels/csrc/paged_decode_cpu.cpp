@@ -8,20 +8,22 @@
 //            of accumulators (12 vectors with AVX2's 16 registers) hold the partial sums over D while
 //            each K vector is loaded once for the 3 heads, so every FMA has a chain of its own; the W
 //            vectors of partial sums per head are reduced to one vector of W scores by a
-//            transpose-and-add tree (7 two-vector shuffles and 7 adds at W = 8);
+//            transpose-and-add tree (14 two-vector shuffles and 7 adds at W = 8);
 //   softmax: the online softmax of Milakov & Gimelshein (2018) on that vector, in vectors: the running
 //            max by a butterfly over the lanes, the running sum kept by lane (added up once at the end),
 //            the accumulator rescaled once per chunk, exp as a vector;
 //   P V:     for each kv head, its query heads in blocks of up to 3 (pv_block): 4 vectors of the head
-//            dim for each of the 3 heads held in registers while the chunk's V rows are added in, each V
-//            vector loaded once for the 3 heads.
+//            dim for each head of the block (8 for a block of one) held in registers while the chunk's V
+//            rows are added in, each V vector loaded once for the block.
 // While a chunk is computed, the next chunk's K and V rows (the item's heads) are asked into L2, a
 // couple of 64-byte lines at a time between the loops' steps (Prefetcher): blocks are scattered, and
 // the hardware's prefetcher does not cross into them; spreading the requests over the chunk's work keeps
 // the core from waiting at the miss buffers, where asking for a whole chunk at once held it up. 64
-// decodes of the vllm preset (contexts 64-288), 30 layers cold, AVX2-only EPYC: 131-143 ms with the
-// previous loop (one head at a time, a dot product as one FMA chain), 86-97 ms with this one; a plain
-// read of the same K/V takes 70-80 ms (docs/performance.md). K and V rows are read in place from the
+// decodes of the vllm preset (contexts 64-288), 30 layers cold, AVX2-only EPYC (scripts/attn-bench):
+// 132-147 ms with the previous loop (one head at a time, a dot product as one FMA chain), 90-103 ms with
+// this one; a plain read of the same K/V takes 70-80 ms (docs/performance.md). The first chunk's
+// prefetches assume 2 lines a step; with few steps a chunk (one kv head, G = 1) that covers part of
+// the next chunk, and the rate is set from the count after it. K and V rows are read in place from the
 // cache (bf16 rows widened as they are loaded); keys past a row's context are never read (a chunk's
 // missing keys repeat its last key, masked to -inf). Sums run in another order than the general loop's,
 // so the two differ in the last bits (both within fp32 rounding of fp64 attention, tested).

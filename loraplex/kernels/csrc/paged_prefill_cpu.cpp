@@ -36,8 +36,9 @@ using namespace vec;
 // A chunk is kKV vectors of W keys. Scores: kQB queries x kKV vectors of accumulators (8), each K^T
 // load shared by kQB queries and each query's broadcast by kKV vectors. P V: kPQ queries x 4 vectors of
 // the head dim (12 accumulators, within AVX2's 16 registers with the V vector and kPQ probabilities), each
-// V load shared by kPQ queries. 4 x 128 fresh tokens, 30 layers, AVX2-only EPYC, fp32: 142-177 ms with
-// 8-key chunks, 8 x 1 score blocks and one query per P V block; 127-142 ms with these.
+// V load shared by kPQ queries. 4 x 128 fresh tokens, 30 layers, AVX2-only EPYC, fp32
+// (scripts/attn-bench): 141-168 ms with 8-key chunks, 8 x 1 score blocks and one query per P V block;
+// 117-118 ms with these.
 constexpr int kQB = 4, kKV = 2, kPQ = 3;
 
 // rows[r] <- column r of the 16 x 16 block rows[0..15] (row j lane d -> row d lane j): four levels, each
