@@ -19,11 +19,11 @@ On the CPU every row goes to the compiled kernel (`kernels/csrc/paged_attention_
 which reads K/V in place through the block table, in fp32: no gather, no padded copy, no mask. A decode
 row runs its vector loop (`paged_decode_cpu.cpp`: chunks of 16 keys with AVX-512, 8 with AVX2, the
 query heads of a kv head in register blocks sharing each K/V load, the next chunk prefetched as it
-goes); a tile of prefill rows the prefill loop (`paged_prefill_cpu.cpp`: flash attention over
-chunks of 32 keys with AVX-512, 16 with AVX2, K transposed once per chunk for all the tile's queries). Against `_prefill_matmul` (two
-bmm GEMMs and a softmax per tile, which stays for other dtypes and head dims, and under
-PREFILL_KERNEL = False), the 64 prompts of the vllm preset, one layer, fp32, one thread, 2-core AMD
-EPYC (avx2 avx512f avx512_bf16): 64-76 ms -> 22-25 ms. Elsewhere,
+goes); a tile of prefill rows the prefill loop (`paged_prefill_cpu.cpp`: flash attention over chunks
+of 32 keys with AVX-512, 16 with AVX2, K transposed once per chunk for all the tile's queries).
+Against `_prefill_matmul` (two bmm GEMMs and a softmax per tile, which stays for other dtypes and head
+dims, and under PREFILL_KERNEL = False), the 64 prompts of the vllm preset, one layer, fp32, one thread,
+2-core AMD EPYC (avx2 avx512f avx512_bf16): 64-76 ms -> 22-25 ms. Elsewhere,
 or where the kernel could not be built (`kernels/cpu_ext.py` logs why), the PyTorch path gathers each
 request's context and calls `scaled_dot_product_attention` with a mask; the two agree to fp32
 rounding, which the tests check. The gather reads a request's position 0 for the masked positions past

@@ -24,8 +24,8 @@ packing off:
   q/k/v, o, gate/up and down with cold weights, medians of 7: 1 row 73 ms (F.linear 93, oneDNN 110),
   16 rows 126 (oneDNN 191), 64 rows 420-445 against oneDNN's 499-527 (32 against 27 GFLOP/s, the FMA
   peak being 38.5), 256 rows 1.08x oneDNN; with two threads 1 row 38 ms (oneDNN 56, F.linear 79), 16
-  rows 71 (oneDNN 112); in the engine, 64-row decode steps 9-10% faster (docs/performance.md). So it takes every row count. Where the CPU has AVX-512, oneDNN's kernels are
-  twice as wide and stay the default. One copy of the weight's bytes (padded to 16 columns).
+  rows 71 (oneDNN 112); in the engine, 64-row decode steps 9-10% faster (docs/performance.md). So it
+  takes every row count. Where the CPU has AVX-512, oneDNN's kernels are twice as wide and stay the default. One copy of the weight's bytes (padded to 16 columns).
 - **mkl** (fp32 only): MKL's `cblas_sgemm_pack` / `cblas_sgemm_compute`. On a 2-core AVX-512 Xeon:
   1.5x F.linear at 8-32 rows, 1.3-1.4x at 64, 1.1-1.2x at 256, none at 512; so decoder linears take it
   from 2 to 256 rows (64 without AVX-512, where MKL's AVX2 kernels lose 2-3% at 100-256) and the

@@ -53,11 +53,14 @@ struct Args {
   float scale;
 };
 
+// The cache slot of key position pos of a request (its block table row `table`, blocks of bs slots).
+inline int64_t slot_of(const int64_t* table, int64_t bs, int64_t pos) { return table[pos / bs] * bs + pos % bs; }
+
 // Whether decode_rows takes this head dim: a multiple of 16 with D / 16 a power of two, up to 256.
 bool decode_supported(int64_t D);
 
 // Floats of one thread's scratch for decode_rows with nH query heads.
-int64_t decode_scratch(int64_t nH, int64_t D, int64_t G);
+int64_t decode_scratch(int64_t nH, int64_t D);
 
 // The decode of query row `row` of request `seq` over its keys 0 .. ctx - 1, kv heads g0 .. g0 + ng - 1
 // (out[row, h] for their query heads), in fp32. scratch: decode_scratch floats, 64-byte aligned.

@@ -198,7 +198,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
     const bool prefill_loop = vectors && n > 1;
     const int64_t ng = !prefill_loop && n * nh <= kMaxQueries && ntiles >= threads ? nkv : 1;
     for (int64_t g0 = 0; g0 < nkv; g0 += ng) items.push_back({i, g0, ng, double(n * a.G * ng) * double(keys)});
-    if (vectors && n == 1) floats = std::max(floats, loraplex_attention::decode_scratch(nh, a.D, a.G));
+    if (vectors && n == 1) floats = std::max(floats, loraplex_attention::decode_scratch(nh, a.D));
     else if (prefill_loop) floats = std::max(floats, loraplex_attention::prefill_scratch(n * a.G, a.D));
     else floats = std::max(floats, kScratch);
   }

@@ -74,11 +74,6 @@ LORAPLEX_INLINE v8 transpose_sum(const v8* t) {
          LORAPLEX_SHUFFLE8(b[0], b[1], 1, 3, 9, 11, 5, 7, 13, 15);
 }
 
-// The cache slot of key position pos of a request (its block table row `table`).
-LORAPLEX_INLINE int64_t slot_of(const int64_t* table, int64_t bs, int64_t pos) {
-  return table[pos / bs] * bs + pos % bs;
-}
-
 // The next chunk's K and V rows, asked into L2 (locality 1) a few 64-byte lines per step() as the loops
 // go: rows 2j and 2j + 1 are key j's K and V (span bytes each, the item's heads). `per` lines a step,
 // set from the previous chunk's count of steps so that a chunk's steps cover the next chunk's lines.
@@ -251,8 +246,7 @@ bool decode_supported(int64_t D) {
   return D % kLanes == 0 && (nd == 1 || nd == 2 || nd == 4 || nd == 8 || nd == 16);
 }
 
-int64_t decode_scratch(int64_t nH, int64_t D, int64_t G) {
-  (void)G;
+int64_t decode_scratch(int64_t nH, int64_t D) {
   return 2 * nH * D + (nH * kLanes + 4 * nH) * kLanes;  // qf, acc; dots, p, mx, sum, corr (W <= kLanes)
 }
 

@@ -127,7 +127,7 @@ LORAPLEX_CLONES void prefill(const Args<T>& a, int64_t row0, int64_t n, int64_t 
   for (int64_t start = 0; start < last; start += KC) {
     const int64_t nk = std::min<int64_t>(KC, last - start);
     for (int64_t j = 0; j < KC; ++j) {
-      const int64_t pos = start + std::min<int64_t>(j, nk - 1), slot = table[pos / a.bs] * a.bs + pos % a.bs;
+      const int64_t slot = slot_of(table, a.bs, start + std::min<int64_t>(j, nk - 1));  // past nk: key nk - 1
       krow[j] = a.k + slot * a.slot_stride + head;
       vrow[j] = a.v + slot * a.slot_stride + head;
     }
