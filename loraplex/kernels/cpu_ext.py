@@ -1,7 +1,7 @@
 """The compiled CPU kernels, built once per machine, checkout and PyTorch version: the BGMV LoRA kernel
 (`csrc/bgmv_cpu.cpp`), the paged attention (`csrc/paged_attention_cpu.cpp`) and fp32 linears on
-prepacked weights (`csrc/gemm_avx2_cpu.cpp`, loraplex's AVX2 GEMM; `csrc/packed_gemm_cpu.cpp`, MKL's packed
-GEMM), RoPE in place
+prepacked weights (`csrc/gemm_cpu.cpp`, loraplex's GEMM for AVX2 and AVX-512; `csrc/packed_gemm_cpu.cpp`,
+MKL's packed GEMM), RoPE in place
 (`csrc/rope_cpu.cpp`) and the decoder's residual add + RMSNorm and SiLU x up in one pass each
 (`csrc/norm_act_cpu.cpp`), one library.
 
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "module.cpp", CSRC / "bgmv_cpu.cpp", CSRC / "paged_attention_cpu.cpp", CSRC / "paged_decode_cpu.cpp",
-           CSRC / "paged_prefill_cpu.cpp", CSRC / "packed_gemm_cpu.cpp", CSRC / "gemm_avx2_cpu.cpp",
+           CSRC / "paged_prefill_cpu.cpp", CSRC / "packed_gemm_cpu.cpp", CSRC / "gemm_cpu.cpp",
            CSRC / "rope_cpu.cpp", CSRC / "norm_act_cpu.cpp"]
 HEADERS = [CSRC / "paged_attention.h", CSRC / "paged_vec.h", CSRC / "bgmv_rows.inc"]
 CFLAGS = ("-O3", "-fopenmp")

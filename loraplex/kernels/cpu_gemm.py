@@ -1,5 +1,5 @@
-"""Base linears on weights packed once: oneDNN's, loraplex's AVX2 GEMM (`csrc/gemm_avx2_cpu.cpp`) or MKL's
-(`csrc/packed_gemm_cpu.cpp`).
+"""Base linears on weights packed once: oneDNN's, loraplex's GEMM for AVX2 or AVX-512 (`csrc/gemm_cpu.cpp`) or
+MKL's (`csrc/packed_gemm_cpu.cpp`).
 
 Letters: M rows of a call, K in features, N out features.
 
@@ -7,10 +7,10 @@ A GEMM on a plain [N, K] weight repacks that weight into the kernel's blocked la
 decode batch sizes that repacking is a large share of the call. `pack_linears` packs each base weight
 once and `linear` runs the calls in its row range on the packed copy, the rest through `F.linear`.
 vLLM's CPU backend does the same with oneDNN (`onednn_mm` on a weight reordered at load time). Three
-backends, chosen by `LORAPLEX_PACKED_GEMM`: `auto` (the default) takes avx2 for fp32 weights on a CPU with
-AVX2 + FMA and no AVX-512 where the CPU kernels are built, onednn otherwise; `onednn`, `avx2` and `mkl`
-force one (avx2 falls back to onednn where the CPU or build lacks it, said in the log); `0` turns
-packing off:
+backends, chosen by `LORAPLEX_PACKED_GEMM`: `auto` (the default) takes avx512 for fp32 weights on a CPU
+with AVX-512 and avx2 on one with AVX2 + FMA and no AVX-512, where the CPU kernels are built, onednn
+otherwise (bf16 weights, no kernels); `onednn`, `avx2`, `avx512` and `mkl` force one (avx2 and avx512 fall
+back to onednn where the CPU or build lacks them, said in the log); `0` turns packing off:
 
 - **onednn**: the weight reordered once (`torch.ops.mkldnn._reorder_linear_weight`, laid out for
   M = 64) and each call through `torch.ops.mkldnn._linear_pointwise`, the pair PyTorch's inductor uses
@@ -25,7 +25,13 @@ packing off:
   16 rows 126 (oneDNN 191), 64 rows 420-445 against oneDNN's 499-527 (32 against 27 GFLOP/s, the FMA
   peak being 38.5), 256 rows 1.08x oneDNN; with two threads 1 row 38 ms (oneDNN 56, F.linear 79), 16
   rows 71 (oneDNN 112); in the engine, 64-row decode steps 9-10% faster (docs/performance.md). So it
-  takes every row count. Where the CPU has AVX-512, oneDNN's kernels are twice as wide and stay the default. One copy of the weight's bytes (padded to 16 columns).
+  takes every row count. One copy of the weight's bytes (padded to 16 columns).
+- **avx512** (fp32 only): the same GEMM with 8 x 48 tiles of zmm registers, and the next panel's
+  prefetch spread over every tile of a row block. On a 2-core AMD EPYC (Zen 4, AVX-512), one thread,
+  the default model's 30 layers with cold weights, medians of 7: 1 row 19 ms (F.linear 37, oneDNN 36),
+  16 rows 41 (oneDNN 49), 64 rows 124 against oneDNN's 144 (109 against 94.5 GFLOP/s, the FMA peak
+  being 116), 512 rows 989 against 1035; the lm_head at 64 rows 33 ms against 37. So it takes every
+  row count (docs/performance.md).
 - **mkl** (fp32 only): MKL's `cblas_sgemm_pack` / `cblas_sgemm_compute`. On a 2-core AVX-512 Xeon:
   1.5x F.linear at 8-32 rows, 1.3-1.4x at 64, 1.1-1.2x at 256, none at 512; so decoder linears take it
   from 2 to 256 rows (64 without AVX-512, where MKL's AVX2 kernels lose 2-3% at 100-256) and the
@@ -61,16 +67,17 @@ logger = logging.getLogger(__name__)
 MAX_ROWS = 256  # mkl backend, decoder linears: packed from 2 to this many rows (AVX-512)
 MAX_ROWS_AVX2 = 64  # the same without AVX-512
 LM_HEAD_MAX_ROWS = 128  # mkl backend, the lm_head
-AVX2_MIN_ROWS = 1  # avx2 backend: packed from one row (faster than F.linear's GEMV there too)
+OURS_MIN_ROWS = 1  # avx2 and avx512: packed from one row (faster than F.linear's GEMV there too)
 ONEDNN_LAYOUT_ROWS = 64  # the M oneDNN lays a reordered weight out for (it serves every M)
 NO_LIMIT = 1 << 62
 MEMORY_SHARE = 0.25  # of MemAvailable at load time
-BACKENDS = ("onednn", "avx2", "mkl")
+BACKENDS = ("onednn", "avx2", "avx512", "mkl")
+OURS = ("avx2", "avx512")  # the backends of csrc/gemm_cpu.cpp, named for the ISA they run
 
 
 def backend_from_env() -> str | None:
     """The backend `LORAPLEX_PACKED_GEMM` names: "auto" (the default; "1", "on", "true", "yes" too),
-    "onednn", "avx2", "mkl", or None ("0", "off", "none": no packing). Raises ValueError for anything
+    "onednn", "avx2", "avx512", "mkl", or None ("0", "off", "none": no packing). Raises ValueError for anything
     else."""
     value = os.environ.get("LORAPLEX_PACKED_GEMM", "auto").strip().lower()
     if value in ("0", "off", "none"):
@@ -109,8 +116,8 @@ def row_range(name: str, kind: str, dtype: torch.dtype) -> tuple[int, int]:
     ("decoder" or "lm_head") and `dtype` (the measurements are in the module docstring)."""
     if name == "onednn":
         return (2 if kind == "decoder" and dtype == torch.float32 else 1), NO_LIMIT
-    if name == "avx2":
-        return AVX2_MIN_ROWS, NO_LIMIT
+    if name in OURS:
+        return OURS_MIN_ROWS, NO_LIMIT
     return 2, (decoder_max_rows() if kind == "decoder" else LM_HEAD_MAX_ROWS)
 
 
@@ -152,7 +159,7 @@ def onednn_unpacked() -> bool:
     """Whether fp32 products on weights that are not packed (the LoRA shrink rows and expand pages, long
     prefill attention) go through oneDNN's matmul: with every backend but mkl and none, where this
     PyTorch has oneDNN."""
-    return ONEDNN and backend in ("auto", "onednn", "avx2")
+    return ONEDNN and backend in ("auto", "onednn", *OURS)
 
 
 def linear_unpacked(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -167,21 +174,26 @@ def linear_unpacked(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def resolve(name: str | None, dtype: torch.dtype) -> str | None:
-    """The backend that packs weights of `dtype` for setting `name` ("auto", a backend or None): auto and
-    avx2 give avx2 for fp32 where the CPU kernels are built and the CPU has AVX2 + FMA (auto: and no
-    AVX-512), onednn otherwise; the others stay as they are."""
-    if name not in ("auto", "avx2"):
+    """The backend that packs weights of `dtype` for setting `name` ("auto", a backend or None): for fp32
+    weights where the CPU kernels are built, auto gives avx512 on a CPU with AVX-512 and avx2 on one with
+    AVX2 + FMA only; avx2 and avx512 stay where the CPU has their ISA; every other case of these three
+    gives onednn (said in the log when avx2 or avx512 was asked for). The others stay as they are."""
+    if name not in ("auto", *OURS):
         return name
     ext = cpu_ext.load() if dtype == torch.float32 else None
-    fits = ext is not None and ext.avx2_available() and (name == "avx2" or not ext.avx512_available())
-    if name == "avx2" and not fits:
-        logger.info("base linears use onednn, not avx2 (it takes fp32 weights, the CPU kernels built, AVX2 + FMA)")
-    return "avx2" if fits else "onednn"
+    has = {"avx2": ext is not None and ext.avx2_available(), "avx512": ext is not None and ext.avx512_available()}
+    if name == "auto":
+        return "avx512" if has["avx512"] else "avx2" if has["avx2"] else "onednn"
+    if not has[name]:
+        logger.info("base linears use onednn, not %s (it takes fp32 weights, the CPU kernels built, %s)", name,
+                    "AVX-512" if name == "avx512" else "AVX2 + FMA")
+        return "onednn"
+    return name
 
 
 def _refusal(name: str, dtype: torch.dtype) -> str | None:
     """Why backend `name` cannot pack weights of `dtype` here (None: it can)."""
-    if name == "avx2":
+    if name in OURS:
         return None if dtype == torch.float32 else ""
     if name == "mkl":
         if dtype != torch.float32:
@@ -202,16 +214,16 @@ def _refusal(name: str, dtype: torch.dtype) -> str | None:
 def _pack(name: str, weight: torch.Tensor) -> torch.Tensor:
     if name == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_LAYOUT_ROWS)
-    if name == "avx2":
-        return cpu_ext.load().gemm_avx2_pack(weight)
+    if name in OURS:
+        return cpu_ext.load().gemm_pack(weight, name)
     return cpu_ext.load().packed_gemm_pack(weight)
 
 
 def _packed_bytes(name: str, weight: torch.Tensor) -> int:
     if name == "onednn":
         return weight.numel() * weight.element_size()
-    if name == "avx2":
-        return cpu_ext.load().gemm_avx2_floats(*weight.shape) * 4
+    if name in OURS:
+        return cpu_ext.load().gemm_floats(*weight.shape, name) * 4
     return cpu_ext.load().packed_gemm_bytes(*weight.shape)
 
 
@@ -289,8 +301,9 @@ def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     try:
         if module.packed_backend == "onednn":
             return _onednn_call(x, module.packed_weight, module.bias)
-        if module.packed_backend == "avx2":
-            return cpu_ext.load().gemm_avx2_linear(x, module.packed_weight, module.out_features, module.bias)
+        if module.packed_backend in OURS:
+            return cpu_ext.load().gemm_linear(x, module.packed_weight, module.out_features, module.packed_backend,
+                                              module.bias)
         return cpu_ext.load().packed_gemm_linear(x, module.packed_weight, module.out_features, module.bias)
     except RuntimeError as exc:
         logger.warning("a %s call on %d rows failed (%s); this linear uses F.linear from now on",

@@ -297,7 +297,7 @@ def fused_linear(x: torch.Tensor, linear: nn.Linear, slices: Sequence[LoRAWeight
                            "assign=True, .to(dtype)?): it no longer shares the buffer with the shrink rows")
     fill_fused_rows(fs, slices, layout)
     n = fs.out + layout["cols"]
-    if getattr(linear, "packed_backend", None) in ("onednn", "avx2") and cpu_gemm.takes_packed(linear, x):
+    if getattr(linear, "packed_backend", None) in ("onednn", *cpu_gemm.OURS) and cpu_gemm.takes_packed(linear, x):
         # the packed base GEMM beats the fused F.linear by more than the separate shrink costs
         # (kernels/cpu_gemm.py); the shrink rows have no bias (FusedShrink zeroes it)
         y = cpu_gemm.linear(linear, x)  # [T, H_out]

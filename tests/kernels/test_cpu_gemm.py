@@ -1,5 +1,5 @@
 """Base linears on packed weights (`kernels/cpu_gemm.py`), every backend (oneDNN's reordered weights,
-loraplex's AVX2 GEMM, MKL's packed GEMM): as close to the fp64 product as F.linear is, the row range that
+loraplex's GEMM for AVX2 and for AVX-512, MKL's packed GEMM): as close to the fp64 product as F.linear is, the row range that
 takes the packed copy, and the cases where nothing is packed."""
 
 from __future__ import annotations
@@ -27,30 +27,38 @@ def _random_linear(n: int, k: int, bias: bool, gen: torch.Generator) -> nn.Linea
 
 
 AVX2 = ext is not None and ext.avx2_available()
+AVX512 = ext is not None and ext.avx512_available()
+HAS = {"avx2": AVX2, "avx512": AVX512}
+NR = {"avx2": 16, "avx512": 48}  # the columns of a panel (csrc/gemm_cpu.cpp)
+MR = {"avx2": 6, "avx512": 8}  # the rows of a tile
 needs_avx2 = pytest.mark.skipif(not AVX2, reason="this CPU has no AVX2 + FMA")
-EACH_BACKEND = [pytest.param(name, marks=needs_avx2) if name == "avx2" else name for name in cpu_gemm.BACKENDS]
+needs_avx512 = pytest.mark.skipif(not AVX512, reason="this CPU has no AVX-512")
+NEEDS = {"avx2": needs_avx2, "avx512": needs_avx512}
+EACH_BACKEND = [pytest.param(name, marks=NEEDS[name]) if name in NEEDS else name for name in cpu_gemm.BACKENDS]
+EACH_ISA = [pytest.param(isa, marks=NEEDS[isa]) for isa in cpu_gemm.OURS]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 64, 100, 512])
 @pytest.mark.parametrize(("n", "k", "bias"), [(960, 576, False), (576, 1536, False), (48, 40, True), (1000, 72, True)])
 @pytest.mark.parametrize(("name", "dtype"), [("onednn", torch.float32), ("onednn", torch.bfloat16),
-                                             ("avx2", torch.float32)])  # avx2 is fp32 only (refusal below)
+                                             ("avx2", torch.float32), ("avx512", torch.float32)])  # ours: fp32 only
 def test_packed_linear_is_within_the_rounding_bound(name, dtype, rows, n, k, bias):
     """Against the product in fp64, element by element, within the bound of a K-term fp32 dot product in
     any order, gamma_K x sum |x_i w_i| with gamma_K = K u / (1 - K u), u = 2^-24 (Higham, Accuracy and
     Stability of Numerical Algorithms, 2nd ed., section 3.1), plus half a bf16 ulp of the result for a
     bf16 output. (oneDNN sums K in another order than MKL: measured 1-4x F.linear's largest error here.)
-    The avx2 rows cover every tile height (1-6 rows, 6 per tile), a last panel of 8 of 16 columns (N =
-    1000) and row blocks (512 rows of K = 1536 go in 13 blocks of up to 42)."""
+    Our rows cover every tile height (avx2: 1-6 rows, 6 per tile; avx512: 1-8 rows, 8 per tile), a last
+    panel of 8 of 16 (avx2) or 40 of 48 (avx512) columns (N = 1000), a panel narrower than one (N = 40)
+    and row blocks (512 rows of K = 1536 go in 13 blocks of up to 42 rows on avx2, up to 40 on avx512)."""
     if dtype == torch.bfloat16 and not cpu_gemm.ONEDNN_BF16:
         pytest.skip("this CPU has no oneDNN bf16 kernels (test_bf16_is_packed_by_onednn_only checks the refusal)")
-    if name == "avx2" and not AVX2:
-        pytest.skip("this CPU has no AVX2 + FMA")
+    if name in HAS and not HAS[name]:
+        pytest.skip(f"this CPU has no {name}")
     gen = torch.Generator().manual_seed(rows + n)
     lin = _random_linear(n, k, bias, gen)
     lin = lin.to(dtype)
     x = torch.randn(rows, k, generator=gen).to(dtype)
-    packed_n = n if name == "onednn" else -(-n // 16) * 16
+    packed_n = n if name == "onednn" else -(-n // NR[name]) * NR[name]
     assert cpu_gemm.pack_linears([(lin, "lm_head")], memory_bytes=1 << 40, name=name) == packed_n * k * lin.weight.element_size()
     assert lin.packed_backend == name
     assert cpu_gemm.takes_packed(lin, x) and lin.packed_rows == (1, cpu_gemm.NO_LIMIT)
@@ -87,60 +95,76 @@ def test_packed_linear_is_as_exact_as_f_linear(rows, n, k, bias):
     assert got.shape == (rows, n) and got.dtype == torch.float32
 
 
-@needs_avx2
+@pytest.mark.parametrize("isa", EACH_ISA)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_avx2_gemm_threads_strided_rows_and_empty_calls_agree_with_f_linear(threads):
-    """1000 columns are 63 panels, enough for two threads to split from one row on (a task takes at least
-    16 tiles); K = 12000 takes row blocks of 6 rows, 13 rows three of them."""
+def test_our_gemm_threads_strided_rows_and_empty_calls_agree_with_f_linear(isa, threads):
+    """1000 columns are 63 (avx2) or 21 (avx512) panels, enough for two threads to split from one row on
+    (a task takes at least 16 tiles) on avx2; K = 12000 takes row blocks of one tile, 13 rows three of
+    them (avx2) or two (avx512). 1-70 rows take every prefetch spread (avx512: 1-9 tiles per block)."""
     gen = torch.Generator().manual_seed(11)
+    nr = NR[isa]
     w, bias = torch.randn(1000, 64, generator=gen), torch.randn(1000, generator=gen)
-    packed = ext.gemm_avx2_pack(w)
-    assert packed.shape == (63 * 16 * 64,) and packed.dtype == torch.float32
+    packed = ext.gemm_pack(w, isa)
+    assert packed.shape == (-(-1000 // nr) * nr * 64,) and packed.dtype == torch.float32
     long_w = torch.randn(40, 12000, generator=gen) / 100
-    long_packed = ext.gemm_avx2_pack(long_w)
+    long_packed = ext.gemm_pack(long_w, isa)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for rows in (1, 6, 7, 13, 70):
+        for rows in (1, 6, 7, 8, 9, 13, 70):
             x = torch.randn(rows, 64, generator=gen)
-            torch.testing.assert_close(ext.gemm_avx2_linear(x, packed, 1000), F.linear(x, w), rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(ext.gemm_avx2_linear(x, packed, 1000, bias), F.linear(x, w, bias), rtol=1e-5,
-                                       atol=1e-5)
+            torch.testing.assert_close(ext.gemm_linear(x, packed, 1000, isa), F.linear(x, w), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ext.gemm_linear(x, packed, 1000, isa, bias), F.linear(x, w, bias),
+                                       rtol=1e-5, atol=1e-5)
         x = torch.randn(13, 12000, generator=gen)
-        torch.testing.assert_close(ext.gemm_avx2_linear(x, long_packed, 40), F.linear(x, long_w), rtol=1e-4,
+        torch.testing.assert_close(ext.gemm_linear(x, long_packed, 40, isa), F.linear(x, long_w), rtol=1e-4,
                                    atol=1e-4)
         wide = torch.randn(20, 100, generator=gen)
         x = wide[:, 10:74]  # rows of 64 with a stride of 100, read in place
-        torch.testing.assert_close(ext.gemm_avx2_linear(x, packed, 1000), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ext.gemm_linear(x, packed, 1000, isa), F.linear(x, w), rtol=1e-5, atol=1e-5)
         cols = torch.randn(64, 20, generator=gen).t()  # column-major rows: copied first
-        torch.testing.assert_close(ext.gemm_avx2_linear(cols, packed, 1000), F.linear(cols, w), rtol=1e-5, atol=1e-5)
-        assert ext.gemm_avx2_linear(torch.empty(0, 64), packed, 1000).shape == (0, 1000)
+        torch.testing.assert_close(ext.gemm_linear(cols, packed, 1000, isa), F.linear(cols, w), rtol=1e-5,
+                                   atol=1e-5)
+        assert ext.gemm_linear(torch.empty(0, 64), packed, 1000, isa).shape == (0, 1000)
     finally:
         torch.set_num_threads(before)
 
 
-@needs_avx2
-def test_avx2_gemm_refuses_a_packed_weight_of_another_shape_a_view_or_another_dtype():
-    packed = ext.gemm_avx2_pack(torch.randn(32, 16))
-    # whole panels of 16 columns: 33 columns take three
-    assert [ext.gemm_avx2_floats(32, 16), ext.gemm_avx2_floats(33, 5)] == [512, 3 * 16 * 5]
-    assert ext.gemm_avx2_pack(torch.randn(33, 5)).numel() == 240
-    with pytest.raises(RuntimeError, match="packed has 512 floats, an \\[49152, 576\\] weight packs to 28311552"):
-        ext.gemm_avx2_linear(torch.randn(4, 576), packed, 49152)
-    with pytest.raises(RuntimeError, match="not 32-byte aligned"):
-        ext.gemm_avx2_linear(torch.randn(4, 8), torch.cat([torch.zeros(1), packed])[1:257], 32)
+@pytest.mark.parametrize("isa", EACH_ISA)
+def test_our_gemm_refuses_a_packed_weight_of_another_shape_a_view_or_another_dtype(isa):
+    nr = NR[isa]
+    packed = ext.gemm_pack(torch.randn(32, 16), isa)
+    # whole panels of NR columns: 33 columns take three of 16 (avx2), one of 48 (avx512)
+    assert ext.gemm_floats(32, 16, isa) == packed.numel() == -(-32 // nr) * nr * 16
+    assert ext.gemm_floats(33, 5, isa) == ext.gemm_pack(torch.randn(33, 5), isa).numel() == -(-33 // nr) * nr * 5
+    want = 49152 * 576
+    with pytest.raises(RuntimeError, match=f"packed has {packed.numel()} floats, an \\[49152, 576\\] weight packs "
+                                           f"to {want} for {isa}"):
+        ext.gemm_linear(torch.randn(4, 576), packed, 49152, isa)
+    with pytest.raises(RuntimeError, match="not 64-byte aligned"):
+        ext.gemm_linear(torch.randn(4, 16), torch.cat([torch.zeros(1), packed])[1:packed.numel() + 1], 32, isa)
     with pytest.raises(RuntimeError, match="2-D fp32"):
-        ext.gemm_avx2_linear(torch.randn(4, 16, dtype=torch.bfloat16), packed, 32)
+        ext.gemm_linear(torch.randn(4, 16, dtype=torch.bfloat16), packed, 32, isa)
     with pytest.raises(RuntimeError, match="2-D fp32"):
-        ext.gemm_avx2_pack(torch.randn(32, 16, dtype=torch.float64))
+        ext.gemm_pack(torch.randn(32, 16, dtype=torch.float64), isa)
+    with pytest.raises(RuntimeError, match='isa must be "avx2" or "avx512", got "sse"'):
+        ext.gemm_linear(torch.randn(4, 16), packed, 32, "sse")
 
 
-def test_auto_takes_avx2_for_fp32_only_where_the_cpu_has_no_avx512():
-    want = "avx2" if AVX2 and not ext.avx512_available() else "onednn"
+@pytest.mark.skipif(ext is None or AVX512, reason="needs a CPU without AVX-512 (the kernels built)")
+def test_avx512_is_refused_where_the_cpu_lacks_it():
+    packed = ext.gemm_pack(torch.randn(48, 16), "avx512")  # packing is plain PyTorch: any CPU
+    with pytest.raises(RuntimeError, match="this CPU has no AVX-512"):
+        ext.gemm_linear(torch.randn(4, 16), packed, 48, "avx512")
+
+
+def test_auto_takes_our_gemm_for_fp32_with_the_widest_isa_the_cpu_has():
+    want = "avx512" if AVX512 else "avx2" if AVX2 else "onednn"
     assert cpu_gemm.resolve("auto", torch.float32) == want
     assert cpu_gemm.resolve("auto", torch.bfloat16) == "onednn"
-    assert cpu_gemm.resolve("avx2", torch.float32) == ("avx2" if AVX2 else "onednn")
-    assert cpu_gemm.resolve("avx2", torch.bfloat16) == "onednn"
+    for isa in cpu_gemm.OURS:
+        assert cpu_gemm.resolve(isa, torch.float32) == (isa if HAS[isa] else "onednn")
+        assert cpu_gemm.resolve(isa, torch.bfloat16) == "onednn"
     assert [cpu_gemm.resolve(name, torch.float32) for name in ("onednn", "mkl", None)] == ["onednn", "mkl", None]
 
 
@@ -197,7 +221,7 @@ def test_linear_takes_the_packed_copy_only_in_its_row_range(name):
     gen = torch.Generator().manual_seed(2)
     lin = nn.Linear(32, 24, bias=False)
     other = torch.randn(24, 32, generator=gen)
-    bytes_ = {"onednn": 24 * 32 * 4, "avx2": 32 * 32 * 4, "mkl": ext.packed_gemm_bytes(24, 32)}[name]
+    bytes_ = {"onednn": 24 * 32 * 4, "avx2": 32 * 32 * 4, "avx512": 48 * 32 * 4, "mkl": ext.packed_gemm_bytes(24, 32)}[name]
     assert cpu_gemm.pack_linears([(lin, "decoder")], memory_bytes=1 << 40, name=name) == bytes_
     assert lin.packed_rows == cpu_gemm.row_range(name, "decoder", torch.float32)
     lin.packed_weight = cpu_gemm._pack(name, other)
@@ -211,14 +235,16 @@ def test_row_ranges():
     assert cpu_gemm.row_range("onednn", "decoder", torch.float32) == (2, cpu_gemm.NO_LIMIT)
     assert cpu_gemm.row_range("onednn", "decoder", torch.bfloat16) == (1, cpu_gemm.NO_LIMIT)
     assert cpu_gemm.row_range("onednn", "lm_head", torch.float32) == (1, cpu_gemm.NO_LIMIT)
-    assert cpu_gemm.row_range("avx2", "decoder", torch.float32) == (cpu_gemm.AVX2_MIN_ROWS, cpu_gemm.NO_LIMIT)
-    assert cpu_gemm.row_range("avx2", "lm_head", torch.float32) == (cpu_gemm.AVX2_MIN_ROWS, cpu_gemm.NO_LIMIT)
+    for isa in cpu_gemm.OURS:
+        assert cpu_gemm.row_range(isa, "decoder", torch.float32) == (1, cpu_gemm.NO_LIMIT)
+        assert cpu_gemm.row_range(isa, "lm_head", torch.float32) == (1, cpu_gemm.NO_LIMIT)
     assert cpu_gemm.row_range("mkl", "decoder", torch.float32) == (2, 256 if ext.avx512_available() else 64)
     assert cpu_gemm.row_range("mkl", "lm_head", torch.float32) == (2, cpu_gemm.LM_HEAD_MAX_ROWS)
 
 
 @pytest.mark.parametrize(("value", "want"), [(None, "auto"), ("1", "auto"), ("Auto", "auto"), ("mkl", "mkl"),
-                                             ("ONEDNN", "onednn"), ("avx2", "avx2"), ("0", None)])
+                                             ("ONEDNN", "onednn"), ("avx2", "avx2"), ("AVX512", "avx512"),
+                                             ("0", None)])
 def test_the_backend_comes_from_the_environment(monkeypatch, value, want):
     if value is None:
         monkeypatch.delenv("LORAPLEX_PACKED_GEMM", raising=False)
@@ -229,7 +255,7 @@ def test_the_backend_comes_from_the_environment(monkeypatch, value, want):
 
 def test_an_unknown_backend_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("LORAPLEX_PACKED_GEMM", "openblas")
-    with pytest.raises(ValueError, match="LORAPLEX_PACKED_GEMM='openblas': expected auto, onednn, avx2, mkl or 0"):
+    with pytest.raises(ValueError, match="LORAPLEX_PACKED_GEMM='openblas': expected auto, onednn, avx2, avx512, mkl or 0"):
         cpu_gemm.backend_from_env()
 
 
@@ -242,14 +268,15 @@ def test_nothing_is_packed_without_room(caplog, name):
 
 
 def test_bf16_is_packed_by_onednn_only():
-    """MKL refuses bf16; avx2 and auto hand it to oneDNN, which packs it where the CPU has its bf16 kernels."""
+    """MKL refuses bf16; avx2, avx512 and auto hand it to oneDNN, which packs it where the CPU has its bf16
+    kernels."""
     half = nn.Linear(64, 64, bias=False).to(torch.bfloat16)
     assert cpu_gemm.pack_linears([(half, "decoder")], memory_bytes=1 << 40, name="mkl") == 0
     assert not hasattr(half, "packed_weight")
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     assert torch.equal(cpu_gemm.linear(half, x), half(x))
     if not cpu_gemm.ONEDNN_BF16:  # an AVX2-only CPU: refused up front, F.linear stays
-        for name in ("onednn", "avx2", "auto"):  # avx2 and auto hand bf16 to onednn
+        for name in ("onednn", "avx2", "avx512", "auto"):  # ours and auto hand bf16 to onednn
             assert cpu_gemm.pack_linears([(half, "decoder")], memory_bytes=1 << 40, name=name) == 0
             assert not hasattr(half, "packed_weight") and not cpu_gemm.takes_packed(half, x)
         assert torch.equal(cpu_gemm.linear(half, x), half(x))

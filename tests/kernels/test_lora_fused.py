@@ -122,11 +122,11 @@ def test_a_weight_rebound_after_the_attach_is_refused():
 
 
 @pytest.mark.parametrize(("name", "dtype"), [("onednn", torch.float32), ("onednn", torch.bfloat16),
-                                             ("avx2", torch.float32)])
+                                             ("avx2", torch.float32), ("avx512", torch.float32)])
 @pytest.mark.parametrize("num_tokens", [1, 7, 24])
 def test_fused_shrink_over_a_packed_base(name, dtype, num_tokens, monkeypatch):
-    """With the base weight packed (for oneDNN, or for our AVX2 GEMM) the base GEMM runs on the packed
-    copy and the shrink rows apart (`cpu_gemm`): the same values to rounding."""
+    """With the base weight packed (for oneDNN, or for our AVX2 or AVX-512 GEMM) the base GEMM runs on the
+    packed copy and the shrink rows apart (`cpu_gemm`): the same values to rounding."""
     from loraplex.kernels import cpu_ext, cpu_gemm
 
     if not torch.backends.mkldnn.is_available():
@@ -135,8 +135,11 @@ def test_fused_shrink_over_a_packed_base(name, dtype, num_tokens, monkeypatch):
         pytest.skip("this CPU has no oneDNN bf16 kernels, so bf16 weights are not packed")
     if name == "onednn" and dtype == torch.float32 and num_tokens == 1:
         pytest.skip("oneDNN's fp32 decoder range starts at 2 rows")
-    if name == "avx2" and (cpu_ext.load() is None or not cpu_ext.load().avx2_available()):
+    ext = cpu_ext.load()
+    if name == "avx2" and (ext is None or not ext.avx2_available()):
         pytest.skip("the CPU kernels are not built, or this CPU has no AVX2 + FMA")
+    if name == "avx512" and (ext is None or not ext.avx512_available()):
+        pytest.skip("the CPU kernels are not built, or this CPU has no AVX-512")
     monkeypatch.setattr(cpu_gemm, "backend", name)
     case, linear, base = _fused_case(num_tokens, "uniform", 3, dtype, 8, seed=11)
     assert cpu_gemm.pack_linears([(linear, "decoder")], memory_bytes=1 << 40, name=name)

@@ -1,7 +1,8 @@
 // The CPU extension's Python module: the functions of bgmv_cpu.cpp, paged_attention_cpu.cpp,
-// packed_gemm_cpu.cpp, gemm_avx2_cpu.cpp, rope_cpu.cpp and norm_act_cpu.cpp.
+// packed_gemm_cpu.cpp, gemm_cpu.cpp, rope_cpu.cpp and norm_act_cpu.cpp.
 #include <torch/extension.h>
 
+#include <string>
 #include <vector>
 
 bool avx512_available();
@@ -16,10 +17,10 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
 void rope_inplace(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim);
 at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& r, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
-int64_t gemm_avx2_floats(int64_t n, int64_t k);
-at::Tensor gemm_avx2_pack(const at::Tensor& weight);
-at::Tensor gemm_avx2_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                            const c10::optional<at::Tensor>& bias);
+int64_t gemm_floats(int64_t n, int64_t k, const std::string& isa);
+at::Tensor gemm_pack(const at::Tensor& weight, const std::string& isa);
+at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::string& isa,
+                       const c10::optional<at::Tensor>& bias);
 bool packed_gemm_available();
 at::Tensor packed_gemm_pack(const at::Tensor& weight);
 int64_t packed_gemm_bytes(int64_t n, int64_t k);
@@ -30,17 +31,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bgmv", &bgmv, "Multi-adapter LoRA, one adapter per row, in place on y (see bgmv_cpu.cpp)");
   m.def("avx512_available", &avx512_available, "Whether this CPU runs the AVX-512 path");
   m.def("bgmv_lanes", &bgmv_lanes, "The lanes of the path bgmv takes for fp32 or not, capped at max_lanes: 16, 8 or 0");
-  m.def("avx2_available", &avx2_available, "Whether this CPU has AVX2 + FMA (the fp32 AVX2 paths of bgmv and gemm_avx2_linear)");
+  m.def("avx2_available", &avx2_available, "Whether this CPU has AVX2 + FMA (the fp32 AVX2 paths of bgmv and gemm_linear)");
   m.def("avx512_bf16_available", &avx512_bf16_available, "Whether its bf16 shrink multiplies bf16 pairs");
   m.def("paged_attention", &paged_attention,
         "Attention of each row over its request's K/V read through the block table (see paged_attention_cpu.cpp)");
   m.def("rope_inplace", &rope_inplace, "RoPE in place on the first heads of each row, fp32 (see rope_cpu.cpp)");
   m.def("add_rms_norm", &add_rms_norm, "x += r in place, then RMSNorm of x, fp32 (see norm_act_cpu.cpp)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up output, fp32 (see norm_act_cpu.cpp)");
-  m.def("gemm_avx2_floats", &gemm_avx2_floats, "Floats of gemm_avx2_pack's result for an [N, K] weight");
-  m.def("gemm_avx2_pack", &gemm_avx2_pack, "An fp32 [N, K] weight packed in panels for gemm_avx2_linear");
-  m.def("gemm_avx2_linear", &gemm_avx2_linear, "x @ weight^T (+ bias) on a packed weight (see gemm_avx2_cpu.cpp)",
-        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("gemm_floats", &gemm_floats, "Floats of gemm_pack's result for an [N, K] weight and isa (avx2 or avx512)",
+        py::arg("n"), py::arg("k"), py::arg("isa"));
+  m.def("gemm_pack", &gemm_pack, "An fp32 [N, K] weight packed in panels for gemm_linear's isa (avx2 or avx512)",
+        py::arg("weight"), py::arg("isa"));
+  m.def("gemm_linear", &gemm_linear, "x @ weight^T (+ bias) on a weight packed for isa (see gemm_cpu.cpp)",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("isa"), py::arg("bias") = py::none());
   m.def("packed_gemm_available", &packed_gemm_available, "Whether this PyTorch's MKL has the packed GEMM");
   m.def("packed_gemm_pack", &packed_gemm_pack, "An fp32 [N, K] weight packed for packed_gemm_linear");
   m.def("packed_gemm_bytes", &packed_gemm_bytes, "Bytes of a packed [N, K] weight");
