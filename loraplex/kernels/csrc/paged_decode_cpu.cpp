@@ -21,9 +21,9 @@
 // the core from waiting at the miss buffers, where asking for a whole chunk at once held it up. 64
 // decodes of the vllm preset (contexts 64-288), 30 layers cold, AVX2-only EPYC (scripts/attn-bench):
 // 132-147 ms with the previous loop (one head at a time, a dot product as one FMA chain), 90-103 ms with
-// this one; a plain read of the same K/V takes 70-80 ms (docs/performance.md). The first chunk's
-// prefetches assume 2 lines a step; with few steps a chunk (one kv head, G = 1) that covers part of
-// the next chunk, and the rate is set from the count after it. K and V rows are read in place from the
+// this one; a plain read of the same K/V takes 70-80 ms (docs/performance.md). The rate (lines a step)
+// comes from the count of steps a whole chunk takes (chunk_steps), so the first chunk covers the second
+// too; after it, from the previous chunk's count. K and V rows are read in place from the
 // cache (bf16 rows widened as they are loaded); keys past a row's context are never read (a chunk's
 // missing keys repeat its last key, masked to -inf). Sums run in another order than the general loop's,
 // so the two differ in the last bits (both within fp32 rounding of fp64 attention, tested).
@@ -80,7 +80,7 @@ LORAPLEX_INLINE v8 transpose_sum(const v8* t) {
 struct Prefetcher {
   const char* row[2 * kLanes];
   int64_t rows = 0, r = 0, off = 0, span = 0, steps = 0;
-  int64_t per = 2;
+  int64_t per = 1;
   inline __attribute__((always_inline)) void step() {
     ++steps;
     for (int64_t i = 0; i < per && r < rows; ++i) {
@@ -147,6 +147,17 @@ LORAPLEX_INLINE void pv_block(typename VecOf<W>::f* acc, const typename VecOf<W>
   }
 }
 
+// The Prefetcher steps that one chunk of W keys takes in `decode` for ng kv heads of G query heads
+// each: qk_block's ND per KJ keys and pv_block's one per key and CB vectors, as the loops below run them.
+template <int ND, int W>
+constexpr int64_t chunk_steps(int64_t G, int64_t ng) {
+  const int64_t rest = G % 3;
+  const int64_t qk = (G / 3) * 2 * ND + (rest == 2 ? 2 * ND : rest == 1 ? ND : 0);
+  const int64_t pv = (G / 3) * (ND / std::min(ND, 4)) * W + (rest == 2 ? (ND / std::min(ND, 4)) * W
+                                                             : rest == 1 ? (ND / std::min(ND, 8)) * W : 0);
+  return ng * (qk + pv);
+}
+
 // scratch (64-byte aligned), in vectors of W lanes: qf [H, ND] (scaled queries), acc [H, ND], dots
 // [H, W], p [H], mx [H] (the running max in every lane), sum [H] (running sums by lane, added up at the
 // end), corr [H].
@@ -178,6 +189,7 @@ LORAPLEX_CLONES void decode(const Args<T>& a, int64_t row, int64_t seq, int64_t 
   const int64_t first = g0 * a.kv_head;  // the item's heads: elements first .. first + ng x kv_head of a slot
   Prefetcher pf;
   pf.span = ng * a.kv_head * static_cast<int64_t>(sizeof(T));
+  pf.steps = chunk_steps<ND, W>(G, ng);  // sets the first chunk's rate below
   const T* kr[W];
   const T* vr[W];
   for (int64_t start = 0; start < ctx; start += W) {
