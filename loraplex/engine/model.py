@@ -182,11 +182,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, h, positions, kv_cache, attn, lora, next_norm: RMSNorm):
+    def forward(self, x, h, positions, kv_cache, attn, lora, next_norm: RMSNorm, rows=None, rows_lora=None):
         """x [T, H] the residual stream (updated in place), h [T, H] = input_layernorm(x) -> next_norm(x)
         after this layer [T, H]: each residual add goes with the norm after it (vLLM's layers pass the
-        residual the same way), so the next layer's input norm (or the final norm) is applied here."""
-        h = self.post_attention_layernorm.add_norm(x, self.self_attn(h, positions, kv_cache, attn, lora))
+        residual the same way), so the next layer's input norm (or the final norm) is applied here.
+
+        rows [B] (optional): after attention (which writes every row's K/V), only these rows go on, so the
+        result is [B, H]; rows_lora is their `LoRAMeta` (None without adapters)."""
+        a = self.self_attn(h, positions, kv_cache, attn, lora)  # [T, H]
+        if rows is not None:
+            x, a, lora = x[rows], a[rows], rows_lora  # [B, H]
+            if not len(rows):
+                return x
+        h = self.post_attention_layernorm.add_norm(x, a)
         return next_norm.add_norm(x, self.mlp(h, lora))
 
 
@@ -222,15 +230,29 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-                attn: AttentionMetadata, lora: LoRAMeta | None = None) -> torch.Tensor:
-        """input_ids [T], positions [T] -> final hidden states [T, H]."""
+                attn: AttentionMetadata, lora: LoRAMeta | None = None,
+                out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [T], positions [T] -> final hidden states [T, H], or [B, H] of the rows out_rows [B]
+        (int64 indices into the T rows) alone.
+
+        With out_rows, the last layer's MLP and norms run on those rows only (the rows a step samples):
+        no later layer reads the others, and every layer's K/V is written before that point. llama.cpp
+        skips the same work for the tokens whose output is not used (`inp_out_ids`). A prefill chunk of
+        n tokens then costs about 3/4 of one layer less for its n - 1 first tokens. Each row's values are
+        those of the full forward to rounding (the same bits where the GEMMs work row by row, as
+        csrc/gemm_cpu.cpp's do; tested)."""
         x = self.embed_tokens(input_ids)  # [T, H], the residual stream
         if not self.layers:
-            return self.norm(x)
+            return self.norm(x) if out_rows is None else self.norm(x[out_rows])
         h = self.layers[0].input_layernorm(x)
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, kv_cache, next_norm in zip(self.layers, kv_caches, next_norms, strict=True):
-            h = layer(x, h, positions, kv_cache, attn, lora, next_norm)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache, next_norm) in enumerate(zip(self.layers, kv_caches, next_norms, strict=True)):
+            if i == last and out_rows is not None:
+                h = layer(x, h, positions, kv_cache, attn, lora, next_norm, out_rows,
+                          None if lora is None else lora.select(out_rows))
+            else:
+                h = layer(x, h, positions, kv_cache, attn, lora, next_norm)
         return h
 
     @torch.inference_mode()

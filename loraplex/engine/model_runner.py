@@ -107,11 +107,14 @@ class ModelRunner:
         """Run one step and sample. An exception of the forward pass propagates (no request is to blame);
         one of a row's sampling is that row's entry in `StepResult.errors`."""
         input_ids, positions, attn, lora, sampled, rows = self.prepare(sched, slot_ranks)
-        hidden = self.model(input_ids, positions, self.kv_caches, attn, lora)
+        # the last layer's MLP on the sampled rows only, unless they are all the rows (a decode-only step)
+        every = len(rows) == len(input_ids)  # rows are in step order, so then they are 0 .. T - 1
+        out_rows = None if every else torch.tensor(rows, dtype=torch.int64, device=self.device)
+        hidden = self.model(input_ids, positions, self.kv_caches, attn, lora, out_rows)  # [B, H]
         result = StepResult()
         if not sampled:
             return result
-        logits = self.model.compute_logits(hidden[rows])  # [B, V]
+        logits = self.model.compute_logits(hidden)  # [B, V]
         tokens, errors, logprobs = sample_rows(logits, sampled, before_sample)
         for req, token, error, lp in zip(sampled, tokens, errors, logprobs, strict=True):
             if error is None:

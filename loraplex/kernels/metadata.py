@@ -62,6 +62,11 @@ class LoRAMeta:
     def has_lora(self) -> bool:
         return bool(self.seg_slots_list)
 
+    def select(self, rows: torch.Tensor) -> LoRAMeta:
+        """The metadata of rows [B] of this step (indices into its T rows), in that order: for layers that
+        run on those rows alone (the last layer's MLP on the sampled rows, `LlamaModel.forward`)."""
+        return build_lora_meta(self.slot_ids[rows], self.slot_ids.device, slot_ranks=self.slot_ranks)
+
     def row_tiles(self, block_m: int) -> torch.Tensor:
         """[num_tiles, 3] int32 (slot, first, end) into row_order: each segment cut into runs of at most
         `block_m` rows, so a kernel grid covers only rows that have an adapter (no per-slot padding).

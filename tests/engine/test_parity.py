@@ -123,6 +123,32 @@ def test_first_step_logits_within_1e3_of_peft(llm, peft_model, tokenizer):
         torch.testing.assert_close(ours[i], ref, atol=1e-3, rtol=0)
 
 
+def test_the_last_layer_on_the_sampled_rows_alone_gives_their_rows_of_the_full_forward(llm, peft_model, tokenizer):
+    """`out_rows`: the last layer's MLP runs on the sampled rows only (with the adapters of those rows:
+    four of the five here touch the MLP or o_proj); their hidden states equal those rows of the full
+    forward, and a step that samples nothing gets none."""
+    engine = llm.engine
+    rows = [None, *ADAPTERS]
+    prompts = [chat_ids(tokenizer, p) for p in PROMPTS[: len(rows)]]
+    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0), adapters=rows)  # the adapters in slots
+    reqs = [engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0), a)
+            for ids, a in zip(prompts, rows, strict=True)]
+    sched = engine.scheduler.schedule()
+    try:
+        input_ids, positions, attn, lora, sampled, sample_rows = engine.runner.prepare(sched, engine.adapters.slot_ranks)
+        assert len(sampled) == len(rows) and lora is not None and len(sample_rows) < len(input_ids)
+        full = engine.model(input_ids, positions, engine.runner.kv_caches, attn, lora)  # [T, H]
+        out_rows = torch.tensor(sample_rows)
+        alone = engine.model(input_ids, positions, engine.runner.kv_caches, attn, lora, out_rows)  # [B, H]
+        assert alone.shape == (len(rows), full.shape[1])
+        torch.testing.assert_close(alone, full[out_rows], rtol=0, atol=1e-5)
+        none = engine.model(input_ids, positions, engine.runner.kv_caches, attn, lora, out_rows[:0])
+        assert none.shape == (0, full.shape[1])
+    finally:
+        for req in reqs:
+            engine.abort_request(req.request_id)
+
+
 def test_request_joining_mid_decode_gets_the_same_tokens(llm, peft_model, tokenizer):
     model, _ = peft_model
     engine = llm.engine
