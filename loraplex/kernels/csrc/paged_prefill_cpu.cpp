@@ -38,8 +38,14 @@ using namespace vec;
 // the head dim (12 accumulators, within AVX2's 16 registers with the V vector and kPQ probabilities), each
 // V load shared by kPQ queries. 4 x 128 fresh tokens, 30 layers, AVX2-only EPYC, fp32
 // (scripts/attn-bench): 141-168 ms with 8-key chunks, 8 x 1 score blocks and one query per P V block;
-// 117-118 ms with these.
-constexpr int kQB = 4, kKV = 2, kPQ = 3;
+// 117-118 ms with these. With AVX-512's 32 registers the blocks are twice as tall (Blocks<16>).
+constexpr int kKV = 2;
+template <int W>
+struct Blocks {
+  static constexpr int QB = W == 16 ? 8 : 4;  // kQB
+  static constexpr int PQ = W == 16 ? 6 : 3;  // kPQ
+};
+constexpr int kQBMax = 8, kPQMax = 6;  // scratch is sized for the largest
 
 // rows[r] <- column r of the 16 x 16 block rows[0..15] (row j lane d -> row d lane j): four levels, each
 // swapping the off-diagonal s x s sub-blocks of every 2s x 2s block (s = 8, 4, 2, 1), two shuffles per
@@ -95,6 +101,7 @@ LORAPLEX_CLONES void prefill(const Args<T>& a, int64_t row0, int64_t n, int64_t 
   constexpr int KC = kKV * W;
   constexpr int D = ND * W;
   constexpr int CB = ND < 4 ? ND : 4;
+  constexpr int kQB = Blocks<W>::QB, kPQ = Blocks<W>::PQ;
   const int64_t G = a.G, M = n * G, Mp = (M + kQB - 1) / kQB * kQB + kPQ;
   V* kt = reinterpret_cast<V*>(scratch);
   float* qf = reinterpret_cast<float*>(kt + kKV * D);  // [Mp, D]
@@ -214,7 +221,7 @@ void dispatch(const Args<T>& a, int64_t row0, int64_t n, int64_t seq, int64_t ct
 }  // namespace
 
 int64_t prefill_scratch(int64_t M, int64_t D) {
-  const int64_t Mp = (M + kQB - 1) / kQB * kQB + kPQ;
+  const int64_t Mp = (M + kQBMax - 1) / kQBMax * kQBMax + kPQMax;  // at least any Blocks<W>'s Mp
   return kKV * D * kLanes + 2 * Mp * D + (kKV + 3) * Mp * kLanes;
 }
 
