@@ -6,7 +6,7 @@ prefill chunk of `max_num_batched_tokens` tokens, with wall-clock timers wrapped
 functions for the run (the CPU runs them synchronously, so a wrapped call's wall time is its cost):
 
     base GEMMs      the q/k/v, o, gate/up and down projections on a base-only step (F.linear, or the
-                    GEMM on a packed weight (ours on AVX2, oneDNN or MKL), `kernels/cpu_gemm.py`)
+                    GEMM on a packed weight (ours on AVX2 or AVX-512, oneDNN or MKL), `kernels/cpu_gemm.py`)
     LoRA            the same projections with adapters, minus their base-only time (on the CPU the
                     shrink of some adapters runs inside the base GEMM, so only the difference is LoRA)
     attention       `paged_attention`: writing this step's K/V and attending

@@ -187,8 +187,9 @@ class DecoderLayer(nn.Module):
         after this layer [T, H]: each residual add goes with the norm after it (vLLM's layers pass the
         residual the same way), so the next layer's input norm (or the final norm) is applied here.
 
-        rows [B] (optional): after attention (which writes every row's K/V), only these rows go on, so the
-        result is [B, H]; rows_lora is their `LoRAMeta` (None without adapters)."""
+        rows [B] (optional): after attention (which writes every row's K/V), only these rows go on, on a
+        copy of theirs of x (x itself is then left as attention found it), and the result is [B, H];
+        rows_lora is their `LoRAMeta` (None without adapters)."""
         a = self.self_attn(h, positions, kv_cache, attn, lora)  # [T, H]
         if rows is not None:
             x, a, lora = x[rows], a[rows], rows_lora  # [B, H]
@@ -231,9 +232,10 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 attn: AttentionMetadata, lora: LoRAMeta | None = None,
-                out_rows: torch.Tensor | None = None) -> torch.Tensor:
+                out_rows: torch.Tensor | None = None, out_lora: LoRAMeta | None = None) -> torch.Tensor:
         """input_ids [T], positions [T] -> final hidden states [T, H], or [B, H] of the rows out_rows [B]
-        (int64 indices into the T rows) alone.
+        (int64 indices into the T rows) alone; out_lora: those rows' `LoRAMeta` where lora is given
+        (default `lora.select` of them, which reads out_rows back to the host).
 
         With out_rows, the last layer's MLP and norms run on those rows only (the rows a step samples):
         no later layer reads the others, and every layer's K/V is written before that point. llama.cpp
@@ -249,8 +251,9 @@ class LlamaModel(nn.Module):
         last = len(self.layers) - 1
         for i, (layer, kv_cache, next_norm) in enumerate(zip(self.layers, kv_caches, next_norms, strict=True)):
             if i == last and out_rows is not None:
-                h = layer(x, h, positions, kv_cache, attn, lora, next_norm, out_rows,
-                          None if lora is None else lora.select(out_rows))
+                if lora is not None and out_lora is None:
+                    out_lora = lora.select(out_rows.tolist())
+                h = layer(x, h, positions, kv_cache, attn, lora, next_norm, out_rows, out_lora)
             else:
                 h = layer(x, h, positions, kv_cache, attn, lora, next_norm)
         return h

@@ -110,7 +110,8 @@ class ModelRunner:
         # the last layer's MLP on the sampled rows only, unless they are all the rows (a decode-only step)
         every = len(rows) == len(input_ids)  # rows are in step order, so then they are 0 .. T - 1
         out_rows = None if every else torch.tensor(rows, dtype=torch.int64, device=self.device)
-        hidden = self.model(input_ids, positions, self.kv_caches, attn, lora, out_rows)  # [B, H]
+        out_lora = None if every or lora is None else lora.select(rows)  # from host lists: no device sync
+        hidden = self.model(input_ids, positions, self.kv_caches, attn, lora, out_rows, out_lora)  # [B, H]
         result = StepResult()
         if not sampled:
             return result

@@ -6,7 +6,7 @@ Letters: M rows of a call, K in features, N out features.
 A GEMM on a plain [N, K] weight repacks that weight into the kernel's blocked layout on every call; at
 decode batch sizes that repacking is a large share of the call. `pack_linears` packs each base weight
 once and `linear` runs the calls in its row range on the packed copy, the rest through `F.linear`.
-vLLM's CPU backend does the same with oneDNN (`onednn_mm` on a weight reordered at load time). Three
+vLLM's CPU backend does the same with oneDNN (`onednn_mm` on a weight reordered at load time). Four
 backends, chosen by `LORAPLEX_PACKED_GEMM`: `auto` (the default) takes avx512 for fp32 weights on a CPU
 with AVX-512 and avx2 on one with AVX2 + FMA and no AVX-512, where the CPU kernels are built, onednn
 otherwise (bf16 weights, no kernels); `onednn`, `avx2`, `avx512` and `mkl` force one (avx2 and avx512 fall

@@ -130,7 +130,8 @@ def test_the_last_layer_on_the_sampled_rows_alone_gives_their_rows_of_the_full_f
     engine = llm.engine
     rows = [None, *ADAPTERS]
     prompts = [chat_ids(tokenizer, p) for p in PROMPTS[: len(rows)]]
-    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0), adapters=rows)  # the adapters in slots
+    warm = [chat_ids(tokenizer, "Hi")] * len(rows)  # the adapters into slots (other prompts: little cached)
+    llm.generate(warm, SamplingParams(max_tokens=1, temperature=0), adapters=rows)
     reqs = [engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0), a)
             for ids, a in zip(prompts, rows, strict=True)]
     sched = engine.scheduler.schedule()

@@ -30,7 +30,6 @@ AVX2 = ext is not None and ext.avx2_available()
 AVX512 = ext is not None and ext.avx512_available()
 HAS = {"avx2": AVX2, "avx512": AVX512}
 NR = {"avx2": 16, "avx512": 48}  # the columns of a panel (csrc/gemm_cpu.cpp)
-MR = {"avx2": 6, "avx512": 8}  # the rows of a tile
 needs_avx2 = pytest.mark.skipif(not AVX2, reason="this CPU has no AVX2 + FMA")
 needs_avx512 = pytest.mark.skipif(not AVX512, reason="this CPU has no AVX-512")
 NEEDS = {"avx2": needs_avx2, "avx512": needs_avx512}
@@ -47,9 +46,8 @@ def test_packed_linear_is_within_the_rounding_bound(name, dtype, rows, n, k, bia
     any order, gamma_K x sum |x_i w_i| with gamma_K = K u / (1 - K u), u = 2^-24 (Higham, Accuracy and
     Stability of Numerical Algorithms, 2nd ed., section 3.1), plus half a bf16 ulp of the result for a
     bf16 output. (oneDNN sums K in another order than MKL: measured 1-4x F.linear's largest error here.)
-    Our rows cover every tile height (avx2: 1-6 rows, 6 per tile; avx512: 1-8 rows, 8 per tile), a last
-    panel of 8 of 16 (avx2) or 40 of 48 (avx512) columns (N = 1000), a panel narrower than one (N = 40)
-    and row blocks (512 rows of K = 1536 go in 13 blocks of up to 42 rows on avx2, up to 40 on avx512)."""
+    Our rows cover tile heights 1, 2, 4, 5 and 6 (avx2: 6 per tile) or 1, 2, 4, 5 and 8 (avx512: 8 per
+    tile), a last panel of 8 of 16 (avx2) or 40 of 48 (avx512) columns (N = 1000) and row blocks (512 rows of K = 1536 go in 13 blocks of up to 42 rows on avx2, up to 40 on avx512)."""
     if dtype == torch.bfloat16 and not cpu_gemm.ONEDNN_BF16:
         pytest.skip("this CPU has no oneDNN bf16 kernels (test_bf16_is_packed_by_onednn_only checks the refusal)")
     if name in HAS and not HAS[name]:
@@ -100,7 +98,8 @@ def test_packed_linear_is_as_exact_as_f_linear(rows, n, k, bias):
 def test_our_gemm_threads_strided_rows_and_empty_calls_agree_with_f_linear(isa, threads):
     """1000 columns are 63 (avx2) or 21 (avx512) panels, enough for two threads to split from one row on
     (a task takes at least 16 tiles) on avx2; K = 12000 takes row blocks of one tile, 13 rows three of
-    them (avx2) or two (avx512). 1-70 rows take every prefetch spread (avx512: 1-9 tiles per block)."""
+    them (avx2) or two (avx512), and N = 40 is narrower than one panel. 1-70 rows take every tile height
+    and prefetch spread (avx512: 1-9 tiles per block, 1-3 prefetched lines per k)."""
     gen = torch.Generator().manual_seed(11)
     nr = NR[isa]
     w, bias = torch.randn(1000, 64, generator=gen), torch.randn(1000, generator=gen)
@@ -111,7 +110,7 @@ def test_our_gemm_threads_strided_rows_and_empty_calls_agree_with_f_linear(isa, 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for rows in (1, 6, 7, 8, 9, 13, 70):
+        for rows in (1, 3, 6, 7, 8, 9, 11, 13, 70):
             x = torch.randn(rows, 64, generator=gen)
             torch.testing.assert_close(ext.gemm_linear(x, packed, 1000, isa), F.linear(x, w), rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(ext.gemm_linear(x, packed, 1000, isa, bias), F.linear(x, w, bias),

@@ -192,7 +192,7 @@ void gemm_panels(const Shape& s, const float* x, int64_t lda, int64_t m, int64_t
   for (int64_t m0 = 0; m0 < m; m0 += block) {
     const int64_t m1 = std::min(m, m0 + block);
     // the next panel's bytes, split between the first `askers` tiles: share bytes each, step bytes per k
-    const int64_t askers = s.spread ? (m1 - m0 + s.mr - 1) / s.mr : 1;
+    const int64_t askers = s.spread ? std::min((m1 - m0 + s.mr - 1) / s.mr, panel / 16) : 1;  // <= its lines
     const int64_t share = (panel * 4 / askers + 63) / 64 * 64;
     const int64_t step = (share + k - 1) / k;
     const int lines = static_cast<int>(std::min<int64_t>((step + 63) / 64, s.nr / 16));
@@ -243,7 +243,9 @@ at::Tensor gemm_pack(const at::Tensor& weight, const std::string& isa) {
 }
 
 // x [M, K] fp32 (rows may be strided), packed from gemm_pack(weight, isa) of an [N, K] weight, bias [N]
-// or None -> [M, N] = x @ weight^T (+ bias). Raises where the CPU lacks `isa`.
+// or None -> [M, N] = x @ weight^T (+ bias). Raises where the CPU lacks `isa`. The caller keeps the isa a
+// weight was packed for (cpu_gemm.py stores it with the packed copy): where N is a multiple of 48 the two
+// layouts have the same size, so a size check cannot tell them apart.
 at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::string& isa,
                        const c10::optional<at::Tensor>& bias) {
   const Shape& s = shape_of(isa, "gemm_linear");

@@ -76,7 +76,8 @@ LORAPLEX_INLINE v8 transpose_sum(const v8* t) {
 
 // The next chunk's K and V rows, asked into L2 (locality 1) a few 64-byte lines per step() as the loops
 // go: rows 2j and 2j + 1 are key j's K and V (span bytes each, the item's heads). `per` lines a step,
-// set from the previous chunk's count of steps so that a chunk's steps cover the next chunk's lines.
+// set so that a chunk's steps cover the next chunk's lines: from the previous chunk's count of steps,
+// or for the first chunk from chunk_steps.
 struct Prefetcher {
   const char* row[2 * kLanes];
   int64_t rows = 0, r = 0, off = 0, span = 0, steps = 0;

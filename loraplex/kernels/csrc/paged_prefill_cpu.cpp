@@ -8,12 +8,13 @@
 // for each chunk of 2 W keys (W = 16 fp32 lanes with AVX-512, 8 with AVX2; paged_vec.h),
 //   K^T:     the chunk's K rows are transposed into D x 2 vectors of W keys (a W x W transpose by
 //            two-vector shuffles per W columns), once for all M queries;
-//   scores:  4 queries at a time, s_m = sum over d of q[m, d] x K^T[d], two vectors of W scores per
-//            query made by fused multiply-adds (each K^T load shared by the 4 queries), no horizontal
-//            sums; keys past a query's context are set to -inf by a lane select;
+//   scores:  kQB queries at a time (4 with AVX2, 8 with AVX-512), s_m = sum over d of q[m, d] x K^T[d],
+//            two vectors of W scores per query made by fused multiply-adds (each K^T load shared by the
+//            kQB queries), no horizontal sums; keys past a query's context are set to -inf by a lane
+//            select;
 //   softmax: the running max and sum per query, the accumulator rescaled once per chunk, exp as a vector;
-//   P V:     3 queries at a time hold 4 vectors each of their accumulators in registers while the
-//            chunk's V rows are added in (one V load shared by the 3).
+//   P V:     kPQ queries at a time (3, or 6 with AVX-512) hold 4 vectors each of their accumulators in
+//            registers while the chunk's V rows are added in (one V load shared by the kPQ).
 // So the products run at GEMM-like density with no score matrix in memory, no
 // mask tensor and no padded copy of the context; the general loop (attend) did one dot product and one
 // horizontal sum per (query, key). A query takes a chunk's keys only up to its own context, so a row
@@ -33,12 +34,13 @@ namespace {
 
 using namespace vec;
 
-// A chunk is kKV vectors of W keys. Scores: kQB queries x kKV vectors of accumulators (8), each K^T
-// load shared by kQB queries and each query's broadcast by kKV vectors. P V: kPQ queries x 4 vectors of
-// the head dim (12 accumulators, within AVX2's 16 registers with the V vector and kPQ probabilities), each
-// V load shared by kPQ queries. 4 x 128 fresh tokens, 30 layers, AVX2-only EPYC, fp32
-// (scripts/attn-bench): 141-168 ms with 8-key chunks, 8 x 1 score blocks and one query per P V block;
-// 117-118 ms with these. With AVX-512's 32 registers the blocks are twice as tall (Blocks<16>).
+// A chunk is kKV vectors of W keys. Scores: kQB queries x kKV vectors of accumulators, each K^T load
+// shared by kQB queries and each query's broadcast by kKV vectors. P V: kPQ queries x 4 vectors of the
+// head dim, each V load shared by kPQ queries. With AVX2 (Blocks<8>): 8 and 12 accumulators, within its
+// 16 registers with the loaded vectors; 4 x 128 fresh tokens, 30 layers, AVX2-only EPYC, fp32
+// (scripts/attn-bench): 141-168 ms with 8-key chunks, 8 x 1 score blocks and one query per P V block,
+// 117-118 ms with these. With AVX-512's 32 registers (Blocks<16>) the blocks are twice as tall: 16 and 24
+// accumulators (a few percent faster there, docs/performance.md).
 constexpr int kKV = 2;
 template <int W>
 struct Blocks {
