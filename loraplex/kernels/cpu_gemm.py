@@ -31,7 +31,7 @@ back to onednn where the CPU or build lacks them, said in the log); `0` turns pa
   the default model's 30 layers with cold weights, medians of 7: 1 row 19 ms (F.linear 37, oneDNN 36),
   16 rows 41 (oneDNN 49), 64 rows 124 against oneDNN's 144 (109 against 94.5 GFLOP/s, the FMA peak
   being 116), 512 rows 989 against 1035; the lm_head at 64 rows 33 ms against 37. So it takes every
-  row count (docs/performance.md).
+  row count (docs/performance.md). One copy of the weight's bytes (padded to 48 columns).
 - **mkl** (fp32 only): MKL's `cblas_sgemm_pack` / `cblas_sgemm_compute`. On a 2-core AVX-512 Xeon:
   1.5x F.linear at 8-32 rows, 1.3-1.4x at 64, 1.1-1.2x at 256, none at 512; so decoder linears take it
   from 2 to 256 rows (64 without AVX-512, where MKL's AVX2 kernels lose 2-3% at 100-256) and the
