@@ -211,12 +211,10 @@ void gemm_panels(const Shape& s, const float* x, int64_t lda, int64_t m, int64_t
 }
 #endif
 
-bool avx2_or_512(const std::string& isa, const char* what) {
+const Shape& shape_of(const std::string& isa, const char* what) {
   TORCH_CHECK(isa == "avx2" || isa == "avx512", what, ": isa must be \"avx2\" or \"avx512\", got \"", isa, "\"");
-  return isa == "avx512";
+  return isa == "avx512" ? kAvx512 : kAvx2;
 }
-
-const Shape& shape_of(const std::string& isa, const char* what) { return avx2_or_512(isa, what) ? kAvx512 : kAvx2; }
 
 }  // namespace
 

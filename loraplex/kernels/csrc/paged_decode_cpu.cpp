@@ -95,13 +95,21 @@ struct Prefetcher {
   }
 };
 
+// The blocks' widths for MH query heads: keys per qk_block pass (MH x KJ accumulators) and head-dim
+// vectors per pv_block pass (MH x CB accumulators), both within the registers at MH = 3.
+template <int W, int MH>
+constexpr int qk_keys() { return MH == 1 ? W : W / 2; }
+template <int ND, int MH>
+constexpr int pv_cols() { return ND < (MH == 1 ? 8 : 4) ? ND : (MH == 1 ? 8 : 4); }
+
 // dots[m, j] (m < MH, j < W: vectors of W partial sums over D) = q_m . k_j for MH query heads of one kv
 // head (q: [MH, ND] vectors, scaled) and the chunk's W keys (kr[j] + head: key j's row of the kv head),
-// KJ keys at a time: MH x KJ accumulators in registers, each K vector loaded once for the MH heads.
-template <typename T, int ND, int W, int MH, int KJ>
+// KJ = qk_keys keys at a time: MH x KJ accumulators in registers, each K vector loaded once for the MH heads.
+template <typename T, int ND, int W, int MH>
 LORAPLEX_INLINE void qk_block(const typename VecOf<W>::f* q, const T* const* kr, int64_t head,
                               typename VecOf<W>::f* dots, Prefetcher& pf) {
   using V = typename VecOf<W>::f;
+  constexpr int KJ = qk_keys<W, MH>();
   for (int j0 = 0; j0 < W; j0 += KJ) {
     V s[MH][KJ];
     for (int m = 0; m < MH; ++m)
@@ -129,7 +137,7 @@ LORAPLEX_INLINE void pv_block(typename VecOf<W>::f* acc, const typename VecOf<W>
                               const typename VecOf<W>::f* p, int64_t nk, const T* const* vr, int64_t head,
                               Prefetcher& pf) {
   using V = typename VecOf<W>::f;
-  constexpr int CB = ND < (MH == 1 ? 8 : 4) ? ND : (MH == 1 ? 8 : 4);
+  constexpr int CB = pv_cols<ND, MH>();
   for (int c0 = 0; c0 < ND; c0 += CB) {
     V o[MH][CB];
     for (int m = 0; m < MH; ++m)
@@ -148,15 +156,16 @@ LORAPLEX_INLINE void pv_block(typename VecOf<W>::f* acc, const typename VecOf<W>
   }
 }
 
-// The Prefetcher steps that one chunk of W keys takes in `decode` for ng kv heads of G query heads
-// each: qk_block's ND per KJ keys and pv_block's one per key and CB vectors, as the loops below run them.
+// The Prefetcher steps that one chunk of W keys takes in `decode` for a block of MH query heads
+// (qk_block's ND per qk_keys keys, pv_block's one per key and pv_cols vectors), and for ng kv heads of G
+// query heads each, in blocks of 3 then 2 or 1 as the loops below run them.
+template <int ND, int W, int MH>
+constexpr int64_t block_steps() { return W / qk_keys<W, MH>() * ND + ND / pv_cols<ND, MH>() * W; }
 template <int ND, int W>
 constexpr int64_t chunk_steps(int64_t G, int64_t ng) {
   const int64_t rest = G % 3;
-  const int64_t qk = (G / 3) * 2 * ND + (rest == 2 ? 2 * ND : rest == 1 ? ND : 0);
-  const int64_t pv = (G / 3) * (ND / std::min(ND, 4)) * W + (rest == 2 ? (ND / std::min(ND, 4)) * W
-                                                             : rest == 1 ? (ND / std::min(ND, 8)) * W : 0);
-  return ng * (qk + pv);
+  return ng * ((G / 3) * block_steps<ND, W, 3>() +
+               (rest == 2 ? block_steps<ND, W, 2>() : rest == 1 ? block_steps<ND, W, 1>() : 0));
 }
 
 // scratch (64-byte aligned), in vectors of W lanes: qf [H, ND] (scaled queries), acc [H, ND], dots
@@ -214,9 +223,9 @@ LORAPLEX_CLONES void decode(const Args<T>& a, int64_t row, int64_t seq, int64_t 
     for (int64_t gi = 0; gi < ng; ++gi) {
       const int64_t head = gi * a.kv_head;
       int64_t h = gi * G;
-      for (; h + 3 <= (gi + 1) * G; h += 3) qk_block<T, ND, W, 3, W / 2>(qf + h * ND, kr, head, dots + h * W, pf);
-      if ((gi + 1) * G - h == 2) qk_block<T, ND, W, 2, W / 2>(qf + h * ND, kr, head, dots + h * W, pf);
-      else if ((gi + 1) * G - h == 1) qk_block<T, ND, W, 1, W>(qf + h * ND, kr, head, dots + h * W, pf);
+      for (; h + 3 <= (gi + 1) * G; h += 3) qk_block<T, ND, W, 3>(qf + h * ND, kr, head, dots + h * W, pf);
+      if ((gi + 1) * G - h == 2) qk_block<T, ND, W, 2>(qf + h * ND, kr, head, dots + h * W, pf);
+      else if ((gi + 1) * G - h == 1) qk_block<T, ND, W, 1>(qf + h * ND, kr, head, dots + h * W, pf);
     }
     // the online softmax on vectors, with no scalar chain over the W lanes: the max by a butterfly, the
     // sums kept by lane

@@ -47,7 +47,7 @@ struct Blocks {
   static constexpr int QB = W == 16 ? 8 : 4;  // kQB
   static constexpr int PQ = W == 16 ? 6 : 3;  // kPQ
 };
-constexpr int kQBMax = 8, kPQMax = 6;  // scratch is sized for the largest
+constexpr int kQBMax = Blocks<16>::QB, kPQMax = Blocks<16>::PQ;  // scratch is sized for the largest
 
 // rows[r] <- column r of the 16 x 16 block rows[0..15] (row j lane d -> row d lane j): four levels, each
 // swapping the off-diagonal s x s sub-blocks of every 2s x 2s block (s = 8, 4, 2, 1), two shuffles per
