@@ -42,7 +42,7 @@ class LoRAMeta:
     seg_starts_list: list[int]
     seg_lens_list: list[int]
     slot_ranks: list[int] | None = None
-    slot_ids_list: list[int] | None = None  # host copy of slot_ids
+    slot_ids_list: list[int] | None = None  # host copy of slot_ids (build_lora_meta sets it)
     _packed: dict | None = None
     _bgmv: dict | None = None
     _split: tuple | None = None
@@ -67,8 +67,7 @@ class LoRAMeta:
         """The metadata of rows [B] of this step (host indices into its T rows), in that order: for layers
         that run on those rows alone (the last layer's MLP on the sampled rows, `LlamaModel.forward`). Built
         from the host copy of the slot ids, so a GPU step does not wait for the device here."""
-        ids = self.slot_ids_list if self.slot_ids_list is not None else self.slot_ids.tolist()
-        return build_lora_meta([ids[r] for r in rows], self.slot_ids.device, slot_ranks=self.slot_ranks)
+        return build_lora_meta([self.slot_ids_list[r] for r in rows], self.slot_ids.device, slot_ranks=self.slot_ranks)
 
     def row_tiles(self, block_m: int) -> torch.Tensor:
         """[num_tiles, 3] int32 (slot, first, end) into row_order: each segment cut into runs of at most
