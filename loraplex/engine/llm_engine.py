@@ -133,7 +133,9 @@ class LLMEngine:
                     attach_fused_shrink(linear, [buffers[m] for m in group])
         if self.device.type == "cpu":  # decode-sized GEMMs on weights packed once (kernels/cpu_gemm.py)
             # the KV cache is allocated after this: its bytes are not there for the packed copies
-            pack_linears([(linear, "decoder") for linear in base] + [(self.model.lm_head, "lm_head")],
+            kinds = {id(layer.mlp.gate_up_proj): "gate_up" for layer in self.model.layers}
+            pack_linears([(linear, kinds.get(id(linear), "decoder")) for linear in base] +
+                         [(self.model.lm_head, "lm_head")],
                          memory_bytes=max(0, available_memory_bytes() - num_blocks * block_bytes))
         self.scheduler = Scheduler(self.config, self.block_manager, self.adapters, self.eos_token_ids,
                                    self.model_config.max_model_len)

@@ -19,6 +19,7 @@ from torch import nn
 
 from loraplex.engine.attention import AttentionMetadata, paged_attention
 from loraplex.kernels import LoRAMeta, LoRAWeights, base_linear, cpu_ext, lora_linear
+from loraplex.kernels.cpu_gemm import silu_mul_linear
 from loraplex.model_config import ModelConfig
 
 
@@ -160,18 +161,22 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRAMeta | None) -> torch.Tensor:  # [T, H] -> [T, H]
         if lora is not None and "gate_proj" in self.lora:
-            gate_up = lora_linear(x, self.gate_up_proj, [self.lora["gate_proj"], self.lora["up_proj"]], lora)
+            h = self._silu_mul(lora_linear(x, self.gate_up_proj, [self.lora["gate_proj"], self.lora["up_proj"]], lora))
         else:
-            gate_up = base_linear(self.gate_up_proj, x)  # [T, 2I]
-        ext = _fused_ext(gate_up)
-        if ext is not None:
-            h = ext.silu_mul(gate_up)  # [T, I] in one pass (kernels/csrc/norm_act_cpu.cpp)
-        else:
-            gate, up = gate_up.split(self.inter, dim=-1)
-            h = F.silu(gate).mul_(up)  # [T, I]; in place on silu's output: one pass and one buffer fewer
+            # [T, I] from the GEMM itself where our packed GEMM takes x (kernels/cpu_gemm.py), else in two steps
+            h = silu_mul_linear(self.gate_up_proj, x) if FUSED_ELEMENTWISE else None
+            if h is None:
+                h = self._silu_mul(base_linear(self.gate_up_proj, x))
         if lora is not None and "down_proj" in self.lora:
             return lora_linear(h, self.down_proj, [self.lora["down_proj"]], lora)
         return base_linear(self.down_proj, h)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+        ext = _fused_ext(gate_up)
+        if ext is not None:
+            return ext.silu_mul(gate_up)  # one pass (kernels/csrc/norm_act_cpu.cpp)
+        gate, up = gate_up.split(self.inter, dim=-1)
+        return F.silu(gate).mul_(up)  # in place on silu's output: one pass and one buffer fewer
 
 
 class DecoderLayer(nn.Module):

@@ -73,6 +73,7 @@ NO_LIMIT = 1 << 62
 MEMORY_SHARE = 0.25  # of MemAvailable at load time
 BACKENDS = ("onednn", "avx2", "avx512", "mkl")
 OURS = ("avx2", "avx512")  # the backends of csrc/gemm_cpu.cpp, named for the ISA they run
+NR = {"avx2": 16, "avx512": 48}  # their panels' widths (columns)
 
 
 def backend_from_env() -> str | None:
@@ -113,12 +114,12 @@ def decoder_max_rows() -> int:
 
 def row_range(name: str, kind: str, dtype: torch.dtype) -> tuple[int, int]:
     """(min, max) rows of a call that take the packed copy, for backend `name`, a linear of `kind`
-    ("decoder" or "lm_head") and `dtype` (the measurements are in the module docstring)."""
+    ("decoder", "gate_up" or "lm_head") and `dtype` (the measurements are in the module docstring)."""
     if name == "onednn":
-        return (2 if kind == "decoder" and dtype == torch.float32 else 1), NO_LIMIT
+        return (2 if kind != "lm_head" and dtype == torch.float32 else 1), NO_LIMIT
     if name in OURS:
         return OURS_MIN_ROWS, NO_LIMIT
-    return 2, (decoder_max_rows() if kind == "decoder" else LM_HEAD_MAX_ROWS)
+    return 2, (LM_HEAD_MAX_ROWS if kind == "lm_head" else decoder_max_rows())
 
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -211,11 +212,20 @@ def _refusal(name: str, dtype: torch.dtype) -> str | None:
     return None
 
 
-def _pack(name: str, weight: torch.Tensor) -> torch.Tensor:
+def _glu(name: str, kind: str, module: nn.Linear) -> int:
+    """I where `module` is a fused [gate; up] projection (kind "gate_up") that our GEMM packs with its
+    panels interleaved, so `silu_mul_linear` can take it (no bias, I a multiple of the panel's width), else 0."""
+    if kind != "gate_up" or name not in OURS or module.bias is not None:
+        return 0
+    inter = module.out_features // 2
+    return inter if module.out_features % 2 == 0 and inter % NR[name] == 0 else 0
+
+
+def _pack(name: str, weight: torch.Tensor, glu: int = 0) -> torch.Tensor:
     if name == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_LAYOUT_ROWS)
     if name in OURS:
-        return cpu_ext.load().gemm_pack(weight, name)
+        return cpu_ext.load().gemm_pack(weight, name, glu)
     return cpu_ext.load().packed_gemm_pack(weight)
 
 
@@ -230,8 +240,9 @@ def _packed_bytes(name: str, weight: torch.Tensor) -> int:
 def pack_linears(linears: list[tuple[nn.Linear, str]], *, memory_bytes: int | None = None,
                  name: str | None = None) -> int:
     """Attach a packed copy of each CPU weight (`linear.packed_weight`, with `packed_rows`, the (min, max)
-    rows that take it, and `packed_backend`) for `linear` to use. `linears`: (module, kind) pairs, kind
-    "decoder" or "lm_head". `name`: the backend, default `backend` (from `LORAPLEX_PACKED_GEMM`).
+    rows that take it, `packed_backend` and `packed_glu`) for `linear` to use. `linears`: (module, kind)
+    pairs, kind "decoder", "gate_up" (a decoder linear that is a fused [gate; up] projection: our GEMM
+    packs it for `silu_mul_linear` too) or "lm_head". `name`: the backend, default `backend` (from `LORAPLEX_PACKED_GEMM`).
     Returns the bytes packed; 0 (and every module left as it was) when turned off, for a dtype the
     backend does not pack (mkl: all but fp32, the normal case of a bf16 engine, not logged), when the
     backend is missing from this build, when packing raises, or when the packed copies would take more
@@ -258,14 +269,16 @@ def pack_linears(linears: list[tuple[nn.Linear, str]], *, memory_bytes: int | No
                        have / 2**20)
         return 0
     try:
-        packed = [_pack(name, m.weight.detach()) for m, _ in linears]
+        glus = [_glu(name, kind, m) for m, kind in linears]
+        packed = [_pack(name, m.weight.detach(), glu) for (m, _), glu in zip(linears, glus, strict=True)]
     except RuntimeError as exc:  # a oneDNN without a kernel for this shape or ISA
         logger.warning("base linears use F.linear: packing for %s failed (%s)", name, exc)
         return 0
-    for (module, kind), weight in zip(linears, packed, strict=True):
+    for (module, kind), weight, glu in zip(linears, packed, glus, strict=True):
         module.packed_weight = weight
         module.packed_rows = row_range(name, kind, dtype)
         module.packed_backend = name
+        module.packed_glu = glu
         module.packed_of = _identity(module.weight)
     logger.info("packed %d base weights for %s (%s, %.0f MiB)", len(linears), name, str(dtype).removeprefix("torch."),
                 need / 2**20)
@@ -303,7 +316,7 @@ def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             return _onednn_call(x, module.packed_weight, module.bias)
         if module.packed_backend in OURS:
             return cpu_ext.load().gemm_linear(x, module.packed_weight, module.out_features, module.packed_backend,
-                                              module.bias)
+                                              module.bias, module.packed_glu)
         return cpu_ext.load().packed_gemm_linear(x, module.packed_weight, module.out_features, module.bias)
     except RuntimeError as exc:
         logger.warning("a %s call on %d rows failed (%s); this linear uses F.linear from now on",
@@ -311,3 +324,15 @@ def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         module.packed_rows = None
         module.packed_weight = None
         return module(x)
+
+
+def silu_mul_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of a fused [gate; up] projection `module` ([2I, K], no bias) for x [M, K] -> [M, I],
+    in one GEMM whose up tiles apply the activation to the gate tiles just stored (`gemm_linear`'s act,
+    csrc/gemm_cpu.cpp): the [M, 2I] product is never written or read back. The same bits as `linear`
+    followed by the SiLU x up kernel. None where it does not run (the module was not packed for it by
+    our GEMM, or x does not take the packed copy): the caller then runs the two steps."""
+    if not getattr(module, "packed_glu", 0) or not takes_packed(module, x):
+        return None
+    return cpu_ext.load().gemm_linear(x, module.packed_weight, module.out_features, module.packed_backend, None,
+                                      module.packed_glu, True)

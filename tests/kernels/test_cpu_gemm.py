@@ -150,6 +150,75 @@ def test_our_gemm_refuses_a_packed_weight_of_another_shape_a_view_or_another_dty
         ext.gemm_linear(torch.randn(4, 16), packed, 32, "sse")
 
 
+@pytest.mark.parametrize("isa", EACH_ISA)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_gate_up_weight_packed_interleaved_gives_the_plain_product_and_the_fused_silu_mul_bits(isa, threads):
+    """gemm_pack(w, isa, glu=I) interleaves the gate and up panels; gemm_linear on it with glu gives the
+    same [M, 2I] bits as the plain packing, and with act gives [M, I] equal, bit for bit, to silu_mul of
+    that product (the kernel the unfused MLP runs). I = 2 and 16 panels; rows 1-70 take every tile height
+    and row blocks of several tiles; two threads split the panels in gate/up pairs."""
+    gen = torch.Generator().manual_seed(5)
+    nr = NR[isa]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for inter, k in ((2 * nr, 40), (16 * nr, 96)):
+            w = torch.randn(2 * inter, k, generator=gen) / k**0.5
+            plain, glu = ext.gemm_pack(w, isa), ext.gemm_pack(w, isa, inter)
+            assert glu.shape == plain.shape and not torch.equal(glu, plain)
+            for rows in (1, 5, 8, 9, 13, 70):
+                x = torch.randn(rows, k, generator=gen) * 3  # gates past +-6: both branches of silu
+                product = ext.gemm_linear(x, plain, 2 * inter, isa)
+                torch.testing.assert_close(product, F.linear(x, w), rtol=1e-5, atol=1e-5)
+                assert torch.equal(ext.gemm_linear(x, glu, 2 * inter, isa, None, inter), product)
+                fused = ext.gemm_linear(x, glu, 2 * inter, isa, None, inter, True)
+                assert fused.shape == (rows, inter) and torch.equal(fused, ext.silu_mul(product))
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("isa", EACH_ISA)
+def test_glu_packing_and_calls_refuse_what_does_not_fit(isa):
+    nr = NR[isa]
+    with pytest.raises(RuntimeError, match=f"glu = I needs a \\[2I, K\\] weight with I a multiple of {nr}"):
+        ext.gemm_pack(torch.randn(2 * nr + 2, 8), isa, nr + 1)
+    with pytest.raises(RuntimeError, match="glu = I needs"):
+        ext.gemm_pack(torch.randn(3 * nr, 8), isa, nr)
+    packed = ext.gemm_pack(torch.randn(2 * nr, 8), isa, nr)
+    with pytest.raises(RuntimeError, match="act needs a weight packed with glu"):
+        ext.gemm_linear(torch.randn(3, 8), packed, 2 * nr, isa, None, 0, True)
+    with pytest.raises(RuntimeError, match="no bias with glu"):
+        ext.gemm_linear(torch.randn(3, 8), packed, 2 * nr, isa, torch.randn(2 * nr), nr)
+    with pytest.raises(RuntimeError, match=f"glu = {nr - 1} does not fit"):
+        ext.gemm_linear(torch.randn(3, 8), packed, 2 * nr, isa, None, nr - 1)
+
+
+@pytest.mark.parametrize("name", EACH_BACKEND)
+def test_the_mlp_takes_the_fused_gate_up_where_our_gemm_packed_it(monkeypatch, name):
+    """pack_linears packs a "gate_up" linear interleaved for our GEMM only (not with a bias, nor for I off
+    the panel width); `linear` on it still gives [gate, up] in order, and `silu_mul_linear` gives
+    silu(gate) * up, or None where it does not run (then the caller runs the two steps)."""
+    gen = torch.Generator().manual_seed(2)
+    nr = 48  # a multiple of both panels' widths
+    lin, odd, biased = _random_linear(2 * nr, 24, False, gen), _random_linear(2 * 40, 24, False, gen), \
+        _random_linear(2 * nr, 24, True, gen)
+    monkeypatch.setattr(cpu_gemm, "backend", name)
+    assert cpu_gemm.pack_linears([(lin, "gate_up"), (odd, "gate_up"), (biased, "gate_up")], memory_bytes=1 << 40)
+    ours = name in cpu_gemm.OURS
+    assert (lin.packed_glu, odd.packed_glu, biased.packed_glu) == ((nr if ours else 0), 0, 0)
+    assert lin.packed_rows == cpu_gemm.row_range(name, "decoder", torch.float32)
+    x = torch.randn(10, 24, generator=gen)
+    torch.testing.assert_close(cpu_gemm.linear(lin, x), F.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
+    fused = cpu_gemm.silu_mul_linear(lin, x)
+    if ours:
+        gate, up = F.linear(x, lin.weight).split(nr, dim=-1)
+        torch.testing.assert_close(fused, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    else:
+        assert fused is None
+    assert cpu_gemm.silu_mul_linear(odd, x) is None and cpu_gemm.silu_mul_linear(biased, x) is None
+    assert cpu_gemm.silu_mul_linear(lin, x.double()) is None  # x that does not take the packed copy
+
+
 @pytest.mark.skipif(ext is None or AVX512, reason="needs a CPU without AVX-512 (the kernels built)")
 def test_avx512_is_refused_where_the_cpu_lacks_it():
     packed = ext.gemm_pack(torch.randn(48, 16), "avx512")  # packing is plain PyTorch: any CPU
@@ -298,6 +367,9 @@ def test_the_engine_packs_its_base_linears_and_the_switch_turns_it_off(monkeypat
         layer = engine.model.layers[0]
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             assert lin.packed_backend == name and lin.packed_rows == cpu_gemm.row_range(name, "decoder", torch.float32)
+            # only the gate/up projection is packed for the fused SiLU x up, and only by our GEMM
+            glu = layer.mlp.inter if lin is layer.mlp.gate_up_proj and name in cpu_gemm.OURS else 0
+            assert lin.packed_glu == glu
         assert engine.model.lm_head.packed_rows == cpu_gemm.row_range(name, "lm_head", torch.float32)
     monkeypatch.setattr(cpu_gemm, "backend", None)
     off = LLMEngine("smollm2-135m-shapes", load_format="dummy", dtype="float32", max_loras=1)

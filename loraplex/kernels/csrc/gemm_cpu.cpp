@@ -41,6 +41,9 @@
 #define LORAPLEX_INLINE inline __attribute__((always_inline))
 #endif
 
+// norm_act_cpu.cpp: o [n] = silu(g) x u, silu_mul's bits
+void silu_mul_row(const float* g, const float* u, float* o, int64_t n);
+
 namespace {
 
 constexpr int64_t kBlockBytes = 256 << 10;  // x rows per block: about this many bytes of x (L2: 512 KB-1 MB)
@@ -183,12 +186,27 @@ LORAPLEX_AVX512 void run_tile_avx512(LORAPLEX_TILE_ARGS) {
 #undef LORAPLEX_TILE_CASES
 #undef LORAPLEX_TILE_ARGS
 
-// out [M, N] (row stride N) = x [M, K] (row stride lda) @ W^T (+ bias), for the panels [p0, p1).
+// The output column of panel p's first column: p x NR, or with a gate/up weight packed interleaved
+// (glu = I > 0, gemm_pack's), I apart: gate panels (even p) from column 0, up panels (odd p) from I; with
+// `act`, both at (p / 2) x NR of the [M, I] output, where the up panel turns the gate's values into
+// silu(gate) x up.
+struct Columns {
+  int64_t nr, glu;
+  bool act;
+  int64_t of(int64_t p) const {
+    if (!glu) return p * nr;
+    return (act || p % 2 == 0 ? 0 : glu) + p / 2 * nr;
+  }
+};
+
+// out [M, ldo] = x [M, K] (row stride lda) @ W^T (+ bias), for the panels [p0, p1) (N columns in all; their
+// output columns from `cols`).
 void gemm_panels(const Shape& s, const float* x, int64_t lda, int64_t m, int64_t k, const float* packed,
-                 const float* bias, int64_t n, float* out, int64_t p0, int64_t p1) {
+                 const float* bias, int64_t n, float* out, int64_t ldo, const Columns& at, int64_t p0, int64_t p1) {
   const auto run_tile = s.nr == kAvx512.nr ? run_tile_avx512 : run_tile_avx2;
   const int64_t block = std::max<int64_t>(s.mr, kBlockBytes / (k * 4) / s.mr * s.mr);
   const int64_t panel = k * s.nr;  // floats
+  alignas(64) float up[kAvx512.mr * kAvx512.nr];  // an up panel's tile, before the epilogue
   for (int64_t m0 = 0; m0 < m; m0 += block) {
     const int64_t m1 = std::min(m, m0 + block);
     // the next panel's bytes, split between the first `askers` tiles: share bytes each, step bytes per k
@@ -200,11 +218,19 @@ void gemm_panels(const Shape& s, const float* x, int64_t lda, int64_t m, int64_t
       const float* b = packed + p * panel;
       const float* bp = bias ? bias + p * s.nr : nullptr;
       const int64_t cols = std::min(s.nr, n - p * s.nr);
+      const int64_t col = at.of(p);
+      const bool epilogue = at.act && p % 2 == 1;
       for (int64_t i = m0, t = 0; i < m1; i += s.mr, ++t) {
         const int64_t r = std::min(s.mr, m1 - i);
         const bool asks = p + 1 < p1 && t < askers;
         const float* next = asks ? b + panel + t * (share / 4) : nullptr;
-        run_tile(r, asks ? lines : 0, k, x + i * lda, lda, b, bp, out + i * n + p * s.nr, n, cols, next, step);
+        float* c = out + i * ldo + col;
+        if (!epilogue) {
+          run_tile(r, asks ? lines : 0, k, x + i * lda, lda, b, bp, c, ldo, cols, next, step);
+          continue;
+        }
+        run_tile(r, asks ? lines : 0, k, x + i * lda, lda, b, bp, up, s.nr, cols, next, step);
+        for (int64_t j = 0; j < r; ++j) silu_mul_row(c + j * ldo, up + j * s.nr, c + j * ldo, cols);
       }
     }
   }
@@ -228,29 +254,44 @@ int64_t gemm_floats(int64_t n, int64_t k, const std::string& isa) {
 }
 
 // weight [N, K] fp32 (an nn.Linear's) -> [ceil(N / NR) * K * NR] fp32 panels (layout above) for `isa`.
-at::Tensor gemm_pack(const at::Tensor& weight, const std::string& isa) {
+// glu = I > 0: weight is a fused gate/up projection ([gate; up], N = 2I, I a multiple of NR), packed with
+// its panels interleaved (gate columns 0..NR-1, up columns 0..NR-1, gate NR..2NR-1, ...), as gemm_linear's
+// glu calls expect.
+at::Tensor gemm_pack(const at::Tensor& weight, const std::string& isa, int64_t glu) {
   const int64_t nr = shape_of(isa, "gemm_pack").nr;
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
               "gemm_pack: weight must be a 2-D fp32 CPU tensor, got ", weight.sizes(), " ", weight.scalar_type());
-  const at::Tensor w = weight.contiguous();
+  at::Tensor w = weight.contiguous();
   const int64_t n = w.size(0), k = w.size(1), panels = num_panels(n, nr);
+  if (glu) {
+    TORCH_CHECK(glu > 0 && n == 2 * glu && glu % nr == 0, "gemm_pack: glu = I needs a [2I, K] weight with I a ",
+                "multiple of ", nr, ", got I = ", glu, " and ", w.sizes());
+    w = w.view({2, glu / nr, nr, k}).transpose(0, 1).contiguous().view({n, k});
+  }
   // [panels, K, NR] <- w [N, K] padded to [panels * NR, K], viewed [panels, NR, K] and transposed
   at::Tensor padded = at::zeros({panels * nr, k}, w.options());
   padded.narrow(0, 0, n).copy_(w);
   return padded.view({panels, nr, k}).transpose(1, 2).contiguous().view({-1});
 }
 
-// x [M, K] fp32 (rows may be strided), packed from gemm_pack(weight, isa) of an [N, K] weight, bias [N]
-// or None -> [M, N] = x @ weight^T (+ bias). Raises where the CPU lacks `isa`. The caller keeps the isa a
-// weight was packed for (cpu_gemm.py stores it with the packed copy): where N is a multiple of 48 the two
-// layouts have the same size, so a size check cannot tell them apart.
+// x [M, K] fp32 (rows may be strided), packed from gemm_pack(weight, isa, glu) of an [N, K] weight, bias [N]
+// or None -> [M, N] = x @ weight^T (+ bias); with act (glu only) -> [M, I] = silu(x @ gate^T) x (x @ up^T),
+// each element as silu_mul computes it from the unfused product (the same bits), without the [M, 2I]
+// product ever being written: each up tile's epilogue reads the gate tile its row block just stored
+// (vLLM's CPU backend fuses no activation into its GEMMs; llama.cpp's ggml runs them as separate ops).
+// Raises where the CPU lacks `isa`. The caller keeps the isa and glu a weight was packed for
+// (cpu_gemm.py stores them with the packed copy): where N is a multiple of 48 the two isas' layouts
+// have the same size, so a size check cannot tell them apart.
 at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::string& isa,
-                       const c10::optional<at::Tensor>& bias) {
+                       const c10::optional<at::Tensor>& bias, int64_t glu, bool act) {
   const Shape& s = shape_of(isa, "gemm_linear");
   TORCH_CHECK(s.nr == kAvx512.nr ? avx512_available() : avx2_available(), "gemm_linear: this CPU has no ",
               s.nr == kAvx512.nr ? "AVX-512" : "AVX2 + FMA");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "gemm_linear: x must be a 2-D fp32 CPU tensor");
+  TORCH_CHECK(glu == 0 || (glu > 0 && n == 2 * glu && glu % s.nr == 0), "gemm_linear: glu = ", glu,
+              " does not fit N = ", n, " for ", isa);
+  TORCH_CHECK(!act || glu, "gemm_linear: act needs a weight packed with glu");
   const at::Tensor a = x.stride(1) == 1 && x.stride(0) >= x.size(1) ? x : x.contiguous();
   const int64_t m = a.size(0), k = a.size(1), panels = num_panels(n, s.nr);
   TORCH_CHECK(n > 0 && k > 0, "gemm_linear: empty weight");
@@ -261,11 +302,13 @@ at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
               "gemm_linear: packed is not 64-byte aligned (a view or a copy of the packed tensor?)");
   at::Tensor padded_bias;
   if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(!glu, "gemm_linear: no bias with glu (a gate/up projection has none)");
     TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kFloat, "gemm_linear: bias must be [N] fp32");
     padded_bias = at::zeros({panels * s.nr}, a.options());
     padded_bias.narrow(0, 0, n).copy_(bias->reshape({n}));
   }
-  at::Tensor out = at::empty({m, n}, a.options());
+  const int64_t ldo = act ? glu : n;
+  at::Tensor out = at::empty({m, ldo}, a.options());
   if (m == 0) return out;
 #if defined(LORAPLEX_GEMM_X86)
   const float* xa = a.data_ptr<float>();
@@ -273,12 +316,14 @@ at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const float* b = padded_bias.defined() ? padded_bias.data_ptr<float>() : nullptr;
   float* y = out.data_ptr<float>();
   const int64_t lda = a.stride(0);
+  const Columns at{s.nr, glu, act};
   // at least 16 tiles per task (a tile: up to MR rows x NR columns over K), so one row's GEMV splits
-  // between threads past 16 panels, and a thread's share is never a sliver
+  // between threads past 16 panels, and a thread's share is never a sliver; with act, whole gate/up pairs
   const int64_t tiles_per_panel = (m + s.mr - 1) / s.mr;
-  const int64_t grain = std::max<int64_t>(1, 16 / tiles_per_panel);
-  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
-    gemm_panels(s, xa, lda, m, k, w, b, n, y, p0, p1);
+  const int64_t unit = act ? 2 : 1;
+  const int64_t grain = std::max<int64_t>(1, 16 / tiles_per_panel / unit);
+  at::parallel_for(0, panels / unit, grain, [&](int64_t u0, int64_t u1) {
+    gemm_panels(s, xa, lda, m, k, w, b, n, y, ldo, at, u0 * unit, u1 * unit);
   });
 #endif
   return out;

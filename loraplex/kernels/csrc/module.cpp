@@ -18,9 +18,9 @@ void rope_inplace(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, in
 at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& r, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 int64_t gemm_floats(int64_t n, int64_t k, const std::string& isa);
-at::Tensor gemm_pack(const at::Tensor& weight, const std::string& isa);
+at::Tensor gemm_pack(const at::Tensor& weight, const std::string& isa, int64_t glu);
 at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::string& isa,
-                       const c10::optional<at::Tensor>& bias);
+                       const c10::optional<at::Tensor>& bias, int64_t glu, bool act);
 bool packed_gemm_available();
 at::Tensor packed_gemm_pack(const at::Tensor& weight);
 int64_t packed_gemm_bytes(int64_t n, int64_t k);
@@ -40,10 +40,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up output, fp32 (see norm_act_cpu.cpp)");
   m.def("gemm_floats", &gemm_floats, "Floats of gemm_pack's result for an [N, K] weight and isa (avx2 or avx512)",
         py::arg("n"), py::arg("k"), py::arg("isa"));
-  m.def("gemm_pack", &gemm_pack, "An fp32 [N, K] weight packed in panels for gemm_linear's isa (avx2 or avx512)",
-        py::arg("weight"), py::arg("isa"));
-  m.def("gemm_linear", &gemm_linear, "x @ weight^T (+ bias) on a weight packed for isa (see gemm_cpu.cpp)",
-        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("isa"), py::arg("bias") = py::none());
+  m.def("gemm_pack", &gemm_pack,
+        "An fp32 [N, K] weight packed in panels for gemm_linear's isa (avx2 or avx512); glu = I: a [gate; up] "
+        "weight with its panels interleaved",
+        py::arg("weight"), py::arg("isa"), py::arg("glu") = 0);
+  m.def("gemm_linear", &gemm_linear,
+        "x @ weight^T (+ bias) on a weight packed for isa; act (glu only): silu(gate) x up (see gemm_cpu.cpp)",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("isa"), py::arg("bias") = py::none(),
+        py::arg("glu") = 0, py::arg("act") = false);
   m.def("packed_gemm_available", &packed_gemm_available, "Whether this PyTorch's MKL has the packed GEMM");
   m.def("packed_gemm_pack", &packed_gemm_pack, "An fp32 [N, K] weight packed for packed_gemm_linear");
   m.def("packed_gemm_bytes", &packed_gemm_bytes, "Bytes of a packed [N, K] weight");

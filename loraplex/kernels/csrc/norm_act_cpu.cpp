@@ -74,26 +74,35 @@ LORAPLEX_CLONES void add_rms_norm_rows(float* x, const float* r, const float* w,
 // to inf (its quotient is then -0). exp_nonpositive flushes below -87.3, so g < -87.3 gives -0 here where
 // PyTorch gives down to about -1e-36 (an absolute difference under 1e-35). NaN stays NaN.
 template <int W>
-LORAPLEX_CLONES void silu_mul_rows(const float* gu, float* out, int64_t begin, int64_t end, int64_t I,
-                                   int64_t gu_row) {
+LORAPLEX_CLONES void silu_mul_span(const float* g, const float* u, float* o, int64_t I) {
   using V = typename VecOf<W>::f;
   const int64_t Iv = I / kLanes * kLanes;  // the same tail as with 16 lanes
-  for (int64_t t = begin; t < end; ++t) {
-    const float* g = gu + t * gu_row;
-    const float* u = g + I;
-    float* o = out + t * I;
-    for (int64_t i = 0; i < Iv; i += W) {
-      const V gv = load<W>(g + i);
-      const V e = exp_nonpositive(gv < 0.f ? gv : -gv);
-      const V num = gv >= 0.f ? gv : gv * e;
-      const V y = (num / (e + 1.f)) * load<W>(u + i);
-      std::memcpy(o + i, &y, sizeof y);
-    }
-    for (int64_t i = Iv; i < I; ++i) o[i] = (g[i] / (1.f + std::exp(-g[i]))) * u[i];
+  for (int64_t i = 0; i < Iv; i += W) {
+    const V gv = load<W>(g + i);
+    const V e = exp_nonpositive(gv < 0.f ? gv : -gv);
+    const V num = gv >= 0.f ? gv : gv * e;
+    const V y = (num / (e + 1.f)) * load<W>(u + i);
+    std::memcpy(o + i, &y, sizeof y);
   }
+  for (int64_t i = Iv; i < I; ++i) o[i] = (g[i] / (1.f + std::exp(-g[i]))) * u[i];
 }
 
+template <int W>
+void silu_mul_rows(const float* gu, float* out, int64_t begin, int64_t end, int64_t I, int64_t gu_row) {
+  for (int64_t t = begin; t < end; ++t) silu_mul_span<W>(gu + t * gu_row, gu + t * gu_row + I, out + t * I, I);
+}
 #pragma GCC pop_options
+
+}  // namespace
+
+// o [n] = silu(g [n]) * u [n], as silu_mul computes each element (the same bits); o may be g or u.
+// gemm_cpu.cpp's fused gate/up epilogue calls it on each row of a tile.
+void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
+  if (loraplex_attention::vec::wide()) silu_mul_span<16>(g, u, o, n);
+  else silu_mul_span<8>(g, u, o, n);
+}
+
+namespace {
 
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.device().is_cpu() && t.stride(1) == 1,
