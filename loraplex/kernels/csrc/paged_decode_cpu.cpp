@@ -4,11 +4,15 @@
 //
 // One work item is a decode row and its kv heads g0 .. g0 + ng - 1 (all of them on one thread), and H =
 // ng x G query heads. For each chunk of W keys:
-//   scores:  for each kv head, its G query heads in blocks of up to 3 (qk_block): 3 heads x W / 2 keys
-//            of accumulators (12 vectors with AVX2's 16 registers) hold the partial sums over D while
-//            each K vector is loaded once for the 3 heads, so every FMA has a chain of its own; the W
-//            vectors of partial sums per head are reduced to one vector of W scores by a
-//            transpose-and-add tree (14 two-vector shuffles and 7 adds at W = 8);
+//   scores:  key by key, and for each key its kv heads in address order (the K row of a key is its ng
+//            heads side by side), each kv head's G query heads in blocks of up to 3 (qk_key): 3
+//            accumulators of W partial sums over D, one per query head, while each K vector is loaded
+//            once for the 3 heads; the W vectors of partial sums per head are reduced to one vector of W
+//            scores by a transpose-and-add tree (14 two-vector shuffles and 7 adds at W = 8). Reading the
+//            rows in address order, rather than one kv head of W keys at a time (rows 768 bytes apart),
+//            took 64 decodes over 30 cold layers from 36.3-43.0 to 32.7 ms on a Zen 4 EPYC (AVX-512;
+//            scripts/attn-bench, best of 5 in two alternating runs, blocks laid out as the engine hands
+//            them out; 40.3-42.4 to 38.1-39.9 ms with the blocks shuffled);
 //   softmax: the online softmax of Milakov & Gimelshein (2018) on that vector, in vectors: the running
 //            max by a butterfly over the lanes, the running sum kept by lane (added up once at the end),
 //            the accumulator rescaled once per chunk, exp as a vector;
@@ -95,37 +99,25 @@ struct Prefetcher {
   }
 };
 
-// The blocks' widths for MH query heads: keys per qk_block pass (MH x KJ accumulators) and head-dim
-// vectors per pv_block pass (MH x CB accumulators), both within the registers at MH = 3.
-template <int W, int MH>
-constexpr int qk_keys() { return MH == 1 ? W : W / 2; }
+// The P V blocks' width for MH query heads: head-dim vectors per pv_block pass (MH x CB accumulators),
+// within the registers at MH = 3.
 template <int ND, int MH>
 constexpr int pv_cols() { return ND < (MH == 1 ? 8 : 4) ? ND : (MH == 1 ? 8 : 4); }
 
-// dots[m, j] (m < MH, j < W: vectors of W partial sums over D) = q_m . k_j for MH query heads of one kv
-// head (q: [MH, ND] vectors, scaled) and the chunk's W keys (kr[j] + head: key j's row of the kv head),
-// KJ = qk_keys keys at a time: MH x KJ accumulators in registers, each K vector loaded once for the MH heads.
+// dots[m x W] (m < MH: vectors of W partial sums over D) = q_m . k for MH query heads of one kv head (q:
+// [MH, ND] vectors, scaled) and one key (k: its row of the kv head), MH accumulators over the ND vectors.
+// One key at a time, so that the chunk's K rows are read in address order (see decode).
 template <typename T, int ND, int W, int MH>
-LORAPLEX_INLINE void qk_block(const typename VecOf<W>::f* q, const T* const* kr, int64_t head,
-                              typename VecOf<W>::f* dots, Prefetcher& pf) {
+LORAPLEX_INLINE void qk_key(const typename VecOf<W>::f* q, const T* k, typename VecOf<W>::f* dots, Prefetcher& pf) {
   using V = typename VecOf<W>::f;
-  constexpr int KJ = qk_keys<W, MH>();
-  for (int j0 = 0; j0 < W; j0 += KJ) {
-    V s[MH][KJ];
-    for (int m = 0; m < MH; ++m)
-      for (int j = 0; j < KJ; ++j) s[m][j] = V{};
-    for (int c = 0; c < ND; ++c) {
-      pf.step();
-      V qc[MH];
-      for (int m = 0; m < MH; ++m) qc[m] = q[m * ND + c];
-      for (int j = 0; j < KJ; ++j) {
-        const V k = load<W>(kr[j0 + j] + head + c * W);
-        for (int m = 0; m < MH; ++m) s[m][j] += qc[m] * k;
-      }
-    }
-    for (int m = 0; m < MH; ++m)
-      for (int j = 0; j < KJ; ++j) dots[m * W + j0 + j] = s[m][j];
+  pf.step();
+  V s[MH];
+  for (int m = 0; m < MH; ++m) s[m] = V{};
+  for (int c = 0; c < ND; ++c) {
+    const V kc = load<W>(k + c * W);
+    for (int m = 0; m < MH; ++m) s[m] += q[m * ND + c] * kc;
   }
+  for (int m = 0; m < MH; ++m) dots[m * W] = s[m];
 }
 
 // acc[m] <- acc[m] x corr[m] + sum over j < nk of p[m][j] V_j (vr[j] + head: key j's V row of the kv
@@ -157,10 +149,10 @@ LORAPLEX_INLINE void pv_block(typename VecOf<W>::f* acc, const typename VecOf<W>
 }
 
 // The Prefetcher steps that one chunk of W keys takes in `decode` for a block of MH query heads
-// (qk_block's ND per qk_keys keys, pv_block's one per key and pv_cols vectors), and for ng kv heads of G
+// (qk_key's one per key, pv_block's one per key and pv_cols vectors), and for ng kv heads of G
 // query heads each, in blocks of 3 then 2 or 1 as the loops below run them.
 template <int ND, int W, int MH>
-constexpr int64_t block_steps() { return W / qk_keys<W, MH>() * ND + ND / pv_cols<ND, MH>() * W; }
+constexpr int64_t block_steps() { return W + ND / pv_cols<ND, MH>() * W; }
 template <int ND, int W>
 constexpr int64_t chunk_steps(int64_t G, int64_t ng) {
   const int64_t rest = G % 3;
@@ -218,14 +210,17 @@ LORAPLEX_CLONES void decode(const Args<T>& a, int64_t row, int64_t seq, int64_t 
       pf.row[pf.rows++] = reinterpret_cast<const char*>(a.k + slot * a.slot_stride + first);
       pf.row[pf.rows++] = reinterpret_cast<const char*>(a.v + slot * a.slot_stride + first);
     }
-    // each kv head's G query heads in blocks of 3, then 2 or 1 (no lambdas here: they would not be
-    // compiled for the clone's target)
-    for (int64_t gi = 0; gi < ng; ++gi) {
-      const int64_t head = gi * a.kv_head;
-      int64_t h = gi * G;
-      for (; h + 3 <= (gi + 1) * G; h += 3) qk_block<T, ND, W, 3>(qf + h * ND, kr, head, dots + h * W, pf);
-      if ((gi + 1) * G - h == 2) qk_block<T, ND, W, 2>(qf + h * ND, kr, head, dots + h * W, pf);
-      else if ((gi + 1) * G - h == 1) qk_block<T, ND, W, 1>(qf + h * ND, kr, head, dots + h * W, pf);
+    // the scores key by key, each key's row of the item's heads in address order; each kv head's G
+    // query heads in blocks of 3, then 2 or 1 (no lambdas here: they would not be compiled for the
+    // clone's target)
+    for (int64_t j = 0; j < W; ++j) {
+      for (int64_t gi = 0; gi < ng; ++gi) {
+        const T* k = kr[j] + gi * a.kv_head;
+        int64_t h = gi * G;
+        for (; h + 3 <= (gi + 1) * G; h += 3) qk_key<T, ND, W, 3>(qf + h * ND, k, dots + h * W + j, pf);
+        if ((gi + 1) * G - h == 2) qk_key<T, ND, W, 2>(qf + h * ND, k, dots + h * W + j, pf);
+        else if ((gi + 1) * G - h == 1) qk_key<T, ND, W, 1>(qf + h * ND, k, dots + h * W + j, pf);
+      }
     }
     // the online softmax on vectors, with no scalar chain over the W lanes: the max by a butterfly, the
     // sums kept by lane
