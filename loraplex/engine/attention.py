@@ -137,18 +137,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     """Write this step's K/V to the cache, then attend. q [T, nH, D]; k, v [T, nKV, D];
     kv_cache: (k_cache, v_cache) each [num_slots, nKV, D]. Returns [T, nH, D] in q's dtype."""
     k_cache, v_cache = kv_cache
-    k_cache.index_copy_(0, attn.slot_mapping, k)
-    v_cache.index_copy_(0, attn.slot_mapping, v)
     group = q.shape[1] // k_cache.shape[1]
     ext = cpu_ext.load() if q.device.type == "cpu" and group <= MAX_QUERIES_PER_TILE else None
+    if ext is not None and vector_loops(q.dtype, q.shape[-1]) and PREFILL_KERNEL:
+        # every row in one call, which writes this step's K/V first and reads q in place (rows strided
+        # within the q/k/v projection's output)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        ext.paged_attention(out, q, k_cache, v_cache, attn.block_tables, attn.tiles(group), attn.block_size,
+                            q.shape[-1] ** -0.5, k, v, attn.slot_mapping)
+        return out
+    k_cache.index_copy_(0, attn.slot_mapping, k)
+    v_cache.index_copy_(0, attn.slot_mapping, v)
     if ext is None:
         return _paged_attention_torch(q, k, v, k_cache, v_cache, attn)
     q = q.contiguous()
     out = torch.empty_like(q)
-    if vector_loops(q.dtype, q.shape[-1]) and PREFILL_KERNEL:  # every row in one call
-        ext.paged_attention(out, q, k_cache, v_cache, attn.block_tables, attn.tiles(group), attn.block_size,
-                            q.shape[-1] ** -0.5)
-        return out
     nd = attn.num_decode_tokens
     if nd:
         ext.paged_attention(out, q, k_cache, v_cache, attn.block_tables, attn.decode_tiles(), attn.block_size,

@@ -116,6 +116,49 @@ def test_kernel_alone_attends_prefill_tiles_too(heads, dtype, tol, threads):
     assert (out.double() - reference(q, STEP, full, nkv)).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_writes_the_steps_kv_and_reads_q_in_place_from_the_fused_projection(dtype):
+    """Given k, v and slot_mapping, the kernel writes them to their slots before any tile reads them, as
+    index_copy_ does, and reads q, k and v as the engine passes them: views of one [T, (nH + 2 nKV) D]
+    projection output, rows strided. Same bits as the two index_copy_ calls and a contiguous q."""
+    nh, nkv, d = 9, 3, 64
+    q, k, v, caches, attn, full = make_step(STEP, nh, nkv, d, dtype, torch.Generator().manual_seed(4))
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)  # as Attention.forward's qkv_proj output
+    qs, ks, vs = (t.view(-1, n, d) for t, n in zip(qkv.split([nh * d, nkv * d, nkv * d], dim=1), (nh, nkv, nkv)))
+    assert qs.stride(0) == (nh + 2 * nkv) * d and not qs.is_contiguous()
+    ext = cpu_ext.load()
+    want_caches = [c.clone() for c in caches]
+    want_caches[0].index_copy_(0, attn.slot_mapping, k)
+    want_caches[1].index_copy_(0, attn.slot_mapping, v)
+    want = torch.empty_like(q)
+    ext.paged_attention(want, q, *want_caches, attn.block_tables, attn.tiles(nh // nkv), BLOCK, d ** -0.5)
+    out = torch.empty_like(q)
+    ext.paged_attention(out, qs, *caches, attn.block_tables, attn.tiles(nh // nkv), BLOCK, d ** -0.5, ks, vs,
+                        attn.slot_mapping)
+    assert torch.equal(caches[0].isnan(), want_caches[0].isnan())  # the unwritten slots stay NaN
+    assert torch.equal(caches[0].nan_to_num(), want_caches[0].nan_to_num())
+    assert torch.equal(caches[1].nan_to_num(), want_caches[1].nan_to_num())
+    assert torch.equal(out, want)
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    assert (out.double() - reference(q, STEP, full, nkv)).abs().max().item() < tol
+
+
+def test_kernel_refuses_a_cache_write_it_cannot_do():
+    ext = cpu_ext.load()
+    q, cache = torch.zeros(1, 9, 64), torch.zeros(8 * BLOCK, 3, 64)
+    args = (torch.empty_like(q), q, cache, cache, torch.tensor([[1]]), torch.tensor([[0, 1, 0, 2]]), BLOCK, 0.125)
+    k = torch.ones(1, 3, 64)
+    with pytest.raises(RuntimeError, match="k, v and slot_mapping go together"):
+        ext.paged_attention(*args, k, None, torch.tensor([5]))
+    with pytest.raises(RuntimeError, match="row 0 writes slot 32 outside the cache"):
+        ext.paged_attention(*args, k, k, torch.tensor([8 * BLOCK]))
+    with pytest.raises(RuntimeError, match="one slot per row of k"):
+        ext.paged_attention(*args, k, k, torch.tensor([1, 2]))
+    with pytest.raises(RuntimeError, match=r"k and v \[T', nKV, D\]"):
+        ext.paged_attention(*args, k, torch.ones(1, 3, 64, dtype=torch.bfloat16), torch.tensor([5]))
+    assert not cache.any()  # nothing written by a refused call
+
+
 def test_kernel_and_torch_path_agree_to_fp32_rounding(monkeypatch):
     gen = torch.Generator().manual_seed(1)
     q, k, v, caches, attn, _ = make_step(STEP, 9, 3, 64, torch.float32, gen)

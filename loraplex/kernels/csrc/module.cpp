@@ -13,7 +13,8 @@ void bgmv(at::Tensor y, at::Tensor x, at::Tensor order, at::Tensor sid, std::vec
           int64_t max_lanes);
 int64_t bgmv_lanes(bool fp32, int64_t max_lanes);
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                     at::Tensor tiles, int64_t block_size, double scale);
+                     at::Tensor tiles, int64_t block_size, double scale, const c10::optional<at::Tensor>& k,
+                     const c10::optional<at::Tensor>& v, c10::optional<at::Tensor> slot_mapping);
 void rope_inplace(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim);
 at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& r, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
@@ -34,7 +35,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("avx2_available", &avx2_available, "Whether this CPU has AVX2 + FMA (the fp32 AVX2 paths of bgmv and gemm_linear)");
   m.def("avx512_bf16_available", &avx512_bf16_available, "Whether its bf16 shrink multiplies bf16 pairs");
   m.def("paged_attention", &paged_attention,
-        "Attention of each row over its request's K/V read through the block table (see paged_attention_cpu.cpp)");
+        "Attention of each row over its request's K/V read through the block table, after writing k and v "
+        "(if given) to their slots (see paged_attention_cpu.cpp)",
+        py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("tiles"), py::arg("block_size"), py::arg("scale"), py::arg("k") = py::none(),
+        py::arg("v") = py::none(), py::arg("slot_mapping") = py::none());
   m.def("rope_inplace", &rope_inplace, "RoPE in place on the first heads of each row, fp32 (see rope_cpu.cpp)");
   m.def("add_rms_norm", &add_rms_norm, "x += r in place, then RMSNorm of x, fp32 (see norm_act_cpu.cpp)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up output, fp32 (see norm_act_cpu.cpp)");

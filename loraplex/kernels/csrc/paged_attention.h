@@ -47,7 +47,8 @@ struct Args {
   const T* v;
   T* out;
   const int64_t* tables;
-  int64_t q_row, q_head;         // strides of q and out, in elements
+  int64_t q_row, q_head;         // strides of q, in elements
+  int64_t out_row, out_head;     // strides of out
   int64_t slot_stride, kv_head;  // strides of the caches
   int64_t table_stride, bs, D, G;
   float scale;

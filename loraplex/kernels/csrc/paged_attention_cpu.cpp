@@ -8,6 +8,9 @@
 // (row0, n, seq, ctx0): rows row0 .. row0 + n - 1 of request `seq`, where row row0 + i attends the keys
 // at positions 0 .. ctx0 + i - 1 (a decode: n = 1, ctx0 = its length; a prefill chunk starting at
 // position c: ctx0 = c + 1 for its first row, so the chunk is causal and sees the earlier chunks).
+// Optionally k, v [T', nKV, D] and slot_mapping [T'] int64: this step's K/V, written to the caches first
+// (k_cache[slot_mapping[t]] = k[t]), in the same call rather than two index_copy_ calls a layer.
+// q and out may have rows of any stride (q is a view of the fused q/k/v projection's output).
 // Output: out [T, nH, D], out[t, h] = softmax(q[t, h] . K^T / sqrt(D)) V over the row's keys, with
 // kv head g = h / G (GQA, as Hugging Face's repeat_kv).
 //
@@ -162,7 +165,7 @@ LORAPLEX_CLONES void attend(const Args<T>& a, int64_t row0, int64_t n, int64_t s
   }
   for (int64_t gi = 0; gi < ng; ++gi) {
     for (int64_t m = 0; m < M; ++m) {
-      T* o = a.out + (row0 + m / G) * a.q_row + ((g0 + gi) * G + m % G) * a.q_head;
+      T* o = a.out + (row0 + m / G) * a.out_row + ((g0 + gi) * G + m % G) * a.out_head;
       const float inv = 1.f / sum[gi * M + m];
       const float* am = acc + (gi * M + m) * D;
       for (int64_t d = 0; d < D; ++d) o[d] = T(am[d] * inv);
@@ -181,7 +184,8 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
          const at::Tensor& block_tables, const at::Tensor& tiles, int64_t bs, double scale) {
   const int64_t nkv = k_cache.size(1), nh = q.size(1);
   const Args<T> a{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), out.data_ptr<T>(),
-            block_tables.data_ptr<int64_t>(), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            block_tables.data_ptr<int64_t>(), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1),
             block_tables.stride(0), bs, q.size(2), nh / nkv, float(scale)};
   const int64_t* tl = tiles.data_ptr<int64_t>();
   const int64_t ntiles = tiles.size(0), threads = at::get_num_threads();
@@ -231,19 +235,48 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
 
 }  // namespace
 
+// k_cache[slot_mapping[t]] = k[t], v_cache[...] = v[t] for each of this step's T' rows (heads of a row side
+// by side in both: one copy of nKV x D elements, else one per head). Rows past the first that write a
+// slot again win, as with index_copy_.
+template <typename T>
+void write_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots, const at::Tensor& k_cache,
+                 const at::Tensor& v_cache) {
+  const int64_t rows = k.size(0), nkv = k.size(1), D = k.size(2);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (const auto& [src, dst] : {std::pair{&k, &k_cache}, std::pair{&v, &v_cache}}) {
+    const T* from = src->template data_ptr<T>();
+    T* to = dst->template data_ptr<T>();
+    const bool whole = src->stride(1) == D && dst->stride(1) == D;
+    for (int64_t t = 0; t < rows; ++t) {
+      const T* row = from + t * src->stride(0);
+      T* slot = to + sl[t] * dst->stride(0);
+      if (whole) {
+        std::memcpy(slot, row, nkv * D * sizeof(T));
+        continue;
+      }
+      for (int64_t g = 0; g < nkv; ++g) std::memcpy(slot + g * dst->stride(1), row + g * src->stride(1), D * sizeof(T));
+    }
+  }
+}
+
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                     at::Tensor tiles, int64_t block_size, double scale) {
+                     at::Tensor tiles, int64_t block_size, double scale, const c10::optional<at::Tensor>& k,
+                     const c10::optional<at::Tensor>& v, c10::optional<at::Tensor> slot_mapping) {
   // Private copies of the indices: the checks below hold for what the kernel reads, even if another
   // Python thread writes the caller's tensors once the GIL is released.
   block_tables = block_tables.clone();
   tiles = tiles.clone();
+  const bool writes = k.has_value() && k->defined();
+  TORCH_CHECK(writes == (v.has_value() && v->defined()) && writes == (slot_mapping.has_value() && slot_mapping->defined()),
+              "paged_attention: k, v and slot_mapping go together");
+  if (writes) slot_mapping = slot_mapping->clone();
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "paged_attention: unsupported dtype ", dtype);
   for (const auto* t : {&out, &q, &k_cache, &v_cache, &block_tables, &tiles})
     TORCH_CHECK(t->device().is_cpu(), "paged_attention: CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && out.strides() == q.strides() && out.scalar_type() == dtype,
-              "paged_attention: q and out [T, nH, D] of one layout and dtype expected");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && out.scalar_type() == dtype && out.stride(2) == 1,
+              "paged_attention: q and out [T, nH, D] of one dtype expected (out's head dims contiguous)");
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides() &&
                   k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
               "paged_attention: caches [num_slots, nKV, D] of one layout in the dtype of q expected");
@@ -276,7 +309,25 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
                   " outside the cache");
     }
   }
+  if (writes) {  // this step's K/V, written before any tile reads them
+    for (const auto* t : {&*k, &*v})
+      TORCH_CHECK(t->device().is_cpu() && t->dim() == 3 && t->sizes() == k->sizes() && t->size(1) == nkv &&
+                      t->size(2) == D && t->stride(2) == 1 && t->scalar_type() == dtype,
+                  "paged_attention: k and v [T', nKV, D] in the caches' dtype with contiguous head dims expected");
+    TORCH_CHECK(slot_mapping->device().is_cpu() && slot_mapping->scalar_type() == at::kLong &&
+                    slot_mapping->dim() == 1 && slot_mapping->numel() == k->size(0),
+                "paged_attention: slot_mapping [T'] int64 expected, one slot per row of k");
+    const int64_t* sl = slot_mapping->data_ptr<int64_t>();
+    for (int64_t t = 0; t < slot_mapping->numel(); ++t)
+      TORCH_CHECK(sl[t] >= 0 && sl[t] < k_cache.size(0), "paged_attention: row ", t, " writes slot ", sl[t],
+                  " outside the cache");
+  }
   pybind11::gil_scoped_release no_gil;
+  if (writes) {
+    if (dtype == at::kBFloat16) write_cache<c10::BFloat16>(*k, *v, *slot_mapping, k_cache, v_cache);
+    else if (dtype == at::kHalf) write_cache<c10::Half>(*k, *v, *slot_mapping, k_cache, v_cache);
+    else write_cache<float>(*k, *v, *slot_mapping, k_cache, v_cache);
+  }
   if (dtype == at::kBFloat16) run<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, tiles, block_size, scale);
   else if (dtype == at::kHalf) run<c10::Half>(out, q, k_cache, v_cache, block_tables, tiles, block_size, scale);
   else run<float>(out, q, k_cache, v_cache, block_tables, tiles, block_size, scale);

@@ -241,7 +241,7 @@ LORAPLEX_CLONES void decode(const Args<T>& a, int64_t row, int64_t seq, int64_t 
     }
   }
   for (int64_t h = 0; h < H; ++h) {
-    T* o = a.out + row * a.q_row + (g0 * G + h) * a.q_head;
+    T* o = a.out + row * a.out_row + (g0 * G + h) * a.out_head;
     const float inv = 1.f / lane_sum(sum[h]);
     const float* am = reinterpret_cast<const float*>(acc + h * ND);
     for (int64_t d = 0; d < ND * W; ++d) o[d] = T(am[d] * inv);

@@ -206,7 +206,7 @@ LORAPLEX_CLONES void prefill(const Args<T>& a, int64_t row0, int64_t n, int64_t 
     }
   }
   for (int64_t m = 0; m < M; ++m) {
-    T* out = a.out + (row0 + m / G) * a.q_row + (g * G + m % G) * a.q_head;
+    T* out = a.out + (row0 + m / G) * a.out_row + (g * G + m % G) * a.out_head;
     const float inv = 1.f / lane_sum(sum[m]);
     const float* am = reinterpret_cast<const float*>(acc + m * ND);
     for (int64_t d = 0; d < D; ++d) out[d] = T(am[d] * inv);
