@@ -12,10 +12,12 @@ calls this router sent and has not seen finish) and `q_min` the shortest over li
 - go to the resident replica with the shortest queue if `q(r) <= q_min + slack`
   (`LORAPLEX_AFFINITY_SLACK`, 8 calls by default: about one engine step's worth of new decodes on the
   small settings; spilling earlier costs a cold load, later costs queueing);
-- otherwise (no resident replica, or all of them that much busier) the replica with the shortest queue,
-  ties broken by the fewest resident adapters (cold adapters spread over the replicas), then by
-  rendezvous hashing of (adapter, replica) (Thaler and Ravishankar, 1998), so that ingresses with the
-  same view send a cold adapter to the same replica;
+- otherwise (no resident replica, or all of them that much busier) a replica with `q(r) <= q_min +
+  slack` too, the one with the fewest resident adapters first (cold adapters spread over the replicas:
+  a queue one call longer, which a stale queue-length cache can show, does not outweigh that), then
+  the shorter queue, then rendezvous hashing of (adapter, replica) (Thaler and Ravishankar, 1998), so
+  that ingresses with the same view send a cold adapter to the same replica; past those, the replicas
+  by queue;
 - a base-model call (no id): the shortest queue, ties at random.
 
 Each rank returned holds one replica, so Serve's own selection (skip full replicas, probe unknown queue
@@ -74,8 +76,12 @@ class AdapterAffinityRouter(RequestRouter):
             ranked = sorted(near, key=lambda r: (queue[r.replica_id], random.random()))
         rest = [r for r in candidate_replicas if r not in ranked]
         if adapter:
-            ranked += sorted(rest, key=lambda r: (queue[r.replica_id], self._num_resident(r),
-                                                  _rendezvous(adapter, r.replica_id.unique_id)))
+            def cold_key(r: RunningReplica) -> tuple:
+                return self._num_resident(r), queue[r.replica_id], _rendezvous(adapter, r.replica_id.unique_id)
+
+            within = [r for r in rest if queue[r.replica_id] <= shortest + self.slack]
+            ranked += sorted(within, key=cold_key)
+            ranked += sorted((r for r in rest if r not in within), key=lambda r: (queue[r.replica_id], *cold_key(r)))
         else:
             ranked += sorted(rest, key=lambda r: (queue[r.replica_id], random.random()))
         return [[r] for r in ranked]

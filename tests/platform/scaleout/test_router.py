@@ -55,8 +55,13 @@ def test_resident_replica_wins_until_its_queue_is_slack_longer():
 
 def test_a_cold_adapter_goes_to_the_least_loaded_then_the_emptiest_replica():
     replicas = [replica("r1", "a", "b"), replica("r2", "c")]
-    assert order(make_router({"r1": 1, "r2": 4}), replicas, "new") == ["r1", "r2"]
+    assert order(make_router({"r1": 1, "r2": 4}), replicas, "new") == ["r1", "r2"]  # 4 > 1 + 2: by queue
     assert order(make_router({"r1": 0, "r2": 0}), replicas, "new") == ["r2", "r1"]
+    # within the slack, the fewer adapters count before the shorter queue (a stale cache's one call)
+    assert order(make_router({"r1": 0, "r2": 1}), replicas, "new") == ["r2", "r1"]
+    assert order(make_router({"r1": 0, "r2": 2}), replicas, "new") == ["r2", "r1"]
+    three = [replica("r1", "a"), replica("r2"), replica("r3")]
+    assert order(make_router({"r1": 0, "r2": 2, "r3": 5}), three, "new") == ["r2", "r1", "r3"]
     # equal in load and adapters: every router picks the same replica (rendezvous hash, not chance)
     even = [replica("r1"), replica("r2")]
     picks = {order(make_router({}), even, f"cold-{i}")[0] for i in range(40)}
