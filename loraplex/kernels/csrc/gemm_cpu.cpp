@@ -199,10 +199,11 @@ struct Columns {
   }
 };
 
-// out [M, ldo] = x [M, K] (row stride lda) @ W^T (+ bias), for the panels [p0, p1) (N columns in all; their
-// output columns from `cols`).
+// out [M, ldo] = x [M, K] (row stride lda) @ W^T (+ bias), for the panels [p0, p1) (N columns in all, each
+// panel's output columns from `columns`).
 void gemm_panels(const Shape& s, const float* x, int64_t lda, int64_t m, int64_t k, const float* packed,
-                 const float* bias, int64_t n, float* out, int64_t ldo, const Columns& at, int64_t p0, int64_t p1) {
+                 const float* bias, int64_t n, float* out, int64_t ldo, const Columns& columns, int64_t p0,
+                 int64_t p1) {
   const auto run_tile = s.nr == kAvx512.nr ? run_tile_avx512 : run_tile_avx2;
   const int64_t block = std::max<int64_t>(s.mr, kBlockBytes / (k * 4) / s.mr * s.mr);
   const int64_t panel = k * s.nr;  // floats
@@ -218,8 +219,8 @@ void gemm_panels(const Shape& s, const float* x, int64_t lda, int64_t m, int64_t
       const float* b = packed + p * panel;
       const float* bp = bias ? bias + p * s.nr : nullptr;
       const int64_t cols = std::min(s.nr, n - p * s.nr);
-      const int64_t col = at.of(p);
-      const bool epilogue = at.act && p % 2 == 1;
+      const int64_t col = columns.of(p);
+      const bool epilogue = columns.act && p % 2 == 1;
       for (int64_t i = m0, t = 0; i < m1; i += s.mr, ++t) {
         const int64_t r = std::min(s.mr, m1 - i);
         const bool asks = p + 1 < p1 && t < askers;
@@ -316,14 +317,14 @@ at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const float* b = padded_bias.defined() ? padded_bias.data_ptr<float>() : nullptr;
   float* y = out.data_ptr<float>();
   const int64_t lda = a.stride(0);
-  const Columns at{s.nr, glu, act};
+  const Columns columns{s.nr, glu, act};
   // at least 16 tiles per task (a tile: up to MR rows x NR columns over K), so one row's GEMV splits
   // between threads past 16 panels, and a thread's share is never a sliver; with act, whole gate/up pairs
   const int64_t tiles_per_panel = (m + s.mr - 1) / s.mr;
   const int64_t unit = act ? 2 : 1;
   const int64_t grain = std::max<int64_t>(1, 16 / tiles_per_panel / unit);
   at::parallel_for(0, panels / unit, grain, [&](int64_t u0, int64_t u1) {
-    gemm_panels(s, xa, lda, m, k, w, b, n, y, ldo, at, u0 * unit, u1 * unit);
+    gemm_panels(s, xa, lda, m, k, w, b, n, y, ldo, columns, u0 * unit, u1 * unit);
   });
 #endif
   return out;
