@@ -122,20 +122,18 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.prefix_cache_scope)
         self.adapters = AdapterManager(self.model_config, max_lora_rank=cfg.max_lora_rank, max_loras=cfg.max_loras,
                                        max_cpu_loras=cfg.max_cpu_loras, dtype=self.dtype, device=self.device)
-        base: list[nn.Linear] = []  # every layer's base projections, in LORA_FUSED_GROUPS order
+        base: list[tuple[nn.Linear, str]] = []  # every layer's base projections and their pack_linears kind
         for layer, buffers in zip(self.model.layers, self.adapters.buffers, strict=True):
             layer.self_attn.lora = {m: buffers[m] for m in ("q_proj", "k_proj", "v_proj", "o_proj")}
             layer.mlp.lora = {m: buffers[m] for m in ("gate_proj", "up_proj", "down_proj")}
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            base += linears
+            base += zip(linears, ("decoder", "decoder", "gate_up", "decoder"), strict=True)
             if self.device.type == "cpu" and self.config.max_loras:  # shrink inside the base GEMMs (kernels docs)
                 for linear, group in zip(linears, LORA_FUSED_GROUPS, strict=True):
                     attach_fused_shrink(linear, [buffers[m] for m in group])
         if self.device.type == "cpu":  # decode-sized GEMMs on weights packed once (kernels/cpu_gemm.py)
             # the KV cache is allocated after this: its bytes are not there for the packed copies
-            kinds = {id(layer.mlp.gate_up_proj): "gate_up" for layer in self.model.layers}
-            pack_linears([(linear, kinds.get(id(linear), "decoder")) for linear in base] +
-                         [(self.model.lm_head, "lm_head")],
+            pack_linears(base + [(self.model.lm_head, "lm_head")],
                          memory_bytes=max(0, available_memory_bytes() - num_blocks * block_bytes))
         self.scheduler = Scheduler(self.config, self.block_manager, self.adapters, self.eos_token_ids,
                                    self.model_config.max_model_len)
