@@ -124,7 +124,7 @@ def test_kernel_writes_the_steps_kv_and_reads_q_in_place_from_the_fused_projecti
     nh, nkv, d = 9, 3, 64
     q, k, v, caches, attn, full = make_step(STEP, nh, nkv, d, dtype, torch.Generator().manual_seed(4))
     qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)  # as Attention.forward's qkv_proj output
-    qs, ks, vs = (t.view(-1, n, d) for t, n in zip(qkv.split([nh * d, nkv * d, nkv * d], dim=1), (nh, nkv, nkv)))
+    qs, ks, vs = (t.view(-1, n, d) for t, n in zip(qkv.split([nh * d, nkv * d, nkv * d], dim=1), (nh, nkv, nkv), strict=True))
     assert qs.stride(0) == (nh + 2 * nkv) * d and not qs.is_contiguous()
     ext = cpu_ext.load()
     want_caches = [c.clone() for c in caches]
