@@ -73,7 +73,6 @@ NO_LIMIT = 1 << 62
 MEMORY_SHARE = 0.25  # of MemAvailable at load time
 BACKENDS = ("onednn", "avx2", "avx512", "mkl")
 OURS = ("avx2", "avx512")  # the backends of csrc/gemm_cpu.cpp, named for the ISA they run
-NR = {"avx2": 16, "avx512": 48}  # their panels' widths (columns)
 
 
 def backend_from_env() -> str | None:
@@ -218,7 +217,8 @@ def _glu(name: str, kind: str, module: nn.Linear) -> int:
     if kind != "gate_up" or name not in OURS or module.bias is not None:
         return 0
     inter = module.out_features // 2
-    return inter if module.out_features % 2 == 0 and inter % NR[name] == 0 else 0
+    panel = cpu_ext.load().gemm_floats(1, 1, name)  # a [1, 1] weight packs to one panel of NR columns
+    return inter if module.out_features % 2 == 0 and inter % panel == 0 else 0
 
 
 def _pack(name: str, weight: torch.Tensor, glu: int = 0) -> torch.Tensor:
@@ -319,11 +319,16 @@ def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
                                               module.bias, module.packed_glu)
         return cpu_ext.load().packed_gemm_linear(x, module.packed_weight, module.out_features, module.bias)
     except RuntimeError as exc:
-        logger.warning("a %s call on %d rows failed (%s); this linear uses F.linear from now on",
-                       module.packed_backend, x.shape[0], exc)
-        module.packed_rows = None
-        module.packed_weight = None
+        _drop_packed(module, x, exc)
         return module(x)
+
+
+def _drop_packed(module: nn.Linear, x: torch.Tensor, exc: RuntimeError) -> None:
+    """After a packed call on x raised: log it, and leave `module` to F.linear from now on."""
+    logger.warning("a %s call on %d rows failed (%s); this linear uses F.linear from now on",
+                   module.packed_backend, x.shape[0], exc)
+    module.packed_rows = None
+    module.packed_weight = None
 
 
 def silu_mul_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
@@ -331,8 +336,13 @@ def silu_mul_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
     in one GEMM whose up tiles apply the activation to the gate tiles just stored (`gemm_linear`'s act,
     csrc/gemm_cpu.cpp): the [M, 2I] product is never written or read back. The same bits as `linear`
     followed by the SiLU x up kernel. None where it does not run (the module was not packed for it by
-    our GEMM, or x does not take the packed copy): the caller then runs the two steps."""
+    our GEMM, or x does not take the packed copy; or the call raised, which drops the packed copy as
+    `linear` does): the caller then runs the two steps."""
     if not getattr(module, "packed_glu", 0) or not takes_packed(module, x):
         return None
-    return cpu_ext.load().gemm_linear(x, module.packed_weight, module.out_features, module.packed_backend, None,
-                                      module.packed_glu, True)
+    try:
+        return cpu_ext.load().gemm_linear(x, module.packed_weight, module.out_features, module.packed_backend, None,
+                                          module.packed_glu, True)
+    except RuntimeError as exc:
+        _drop_packed(module, x, exc)
+        return None

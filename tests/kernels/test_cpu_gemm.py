@@ -418,6 +418,29 @@ def test_onednn_calls_are_padded_to_row_buckets(monkeypatch):
     assert seen == [72] and got.shape == (65, 40)
 
 
+@pytest.mark.parametrize("isa", EACH_ISA)
+def test_a_failing_fused_gate_up_call_drops_the_packed_copy_as_linear_does(monkeypatch, caplog, isa):
+    gen = torch.Generator().manual_seed(3)
+    lin = _random_linear(2 * 48, 16, False, gen)
+    assert cpu_gemm.pack_linears([(lin, "gate_up")], memory_bytes=1 << 40, name=isa) and lin.packed_glu == 48
+
+    class Broken:
+        def __getattr__(self, name):
+            return getattr(ext, name)
+
+        def gemm_linear(self, *args):
+            raise RuntimeError("no kernel")
+
+    monkeypatch.setattr(cpu_gemm.cpu_ext, "load", Broken)
+    x = torch.randn(4, 16, generator=gen)
+    with caplog.at_level("WARNING", logger="loraplex.kernels.cpu_gemm"):
+        assert cpu_gemm.silu_mul_linear(lin, x) is None
+        assert cpu_gemm.silu_mul_linear(lin, x) is None  # no second try, no second warning
+    assert not cpu_gemm.takes_packed(lin, x) and lin.packed_weight is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"a {isa} call on 4 rows failed (no kernel); this linear uses F.linear from now on"]
+
+
 def test_a_failing_packed_call_falls_back_to_f_linear_for_good(monkeypatch, caplog):
     lin = nn.Linear(32, 24)
     assert cpu_gemm.pack_linears([(lin, "decoder")], memory_bytes=1 << 40, name="onednn")
