@@ -10,7 +10,8 @@ functions for the run (the CPU runs them synchronously, so a wrapped call's wall
     LoRA            the same projections with adapters, minus their base-only time (on the CPU the
                     shrink of some adapters runs inside the base GEMM, so only the difference is LoRA)
     attention       `paged_attention`: writing this step's K/V and attending
-    lm_head         `compute_logits` on the sampled rows
+    lm_head         `compute_logits` on the sampled rows, and `greedy_tokens` on the greedy ones where the
+                    lm_head's bf16 screen finds their tokens without the logits (`kernels/cpu_greedy.py`)
     norms, RoPE...  the rest of the forward pass: embedding, RMSNorm, RoPE, SiLU x up, residual adds
     metadata        `ModelRunner.prepare`: the step's tensors built in Python (positions, slot mapping,
                     block tables, LoRA segments)
@@ -83,10 +84,11 @@ class Timers:
 
         saved = [(model_mod, "paged_attention"), (model_mod, "lora_linear"), (model_mod, "base_linear"),
                  (runner_mod, "sample_rows"),
-                 (engine.runner, "prepare"), (engine.model, "compute_logits"), (engine.scheduler, "schedule"),
-                 (engine.scheduler, "update_from_output")]
+                 (engine.runner, "prepare"), (engine.model, "compute_logits"), (engine.model, "greedy_tokens"),
+                 (engine.scheduler, "schedule"), (engine.scheduler, "update_from_output")]
         originals = [getattr(obj, name) for obj, name in saved]
-        names = ["attention", "projections", None, "sampling", "metadata", "lm_head", "scheduling", "scheduling"]
+        names = ["attention", "projections", None, "sampling", "metadata", "lm_head", "lm_head", "scheduling",
+                 "scheduling"]
         try:
             nn.Linear.forward = linear
             for (obj, attr), fn, name in zip(saved, originals, names, strict=True):

@@ -34,7 +34,7 @@ from loraplex.engine.request import Request, RequestOutput, RequestStatus, outpu
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput, is_stop_token
 from loraplex.engine.structured_output import GrammarState, StructuredOutputs
-from loraplex.kernels import attach_fused_shrink, pack_linears
+from loraplex.kernels import attach_fused_shrink, cpu_greedy, pack_linears
 from loraplex.kernels.cpu_gemm import available_memory_bytes
 from loraplex.model_config import LORA_FUSED_GROUPS, ModelConfig
 
@@ -133,8 +133,9 @@ class LLMEngine:
                     attach_fused_shrink(linear, [buffers[m] for m in group])
         if self.device.type == "cpu":  # decode-sized GEMMs on weights packed once (kernels/cpu_gemm.py)
             # the KV cache is allocated after this: its bytes are not there for the packed copies
-            pack_linears(base + [(self.model.lm_head, "lm_head")],
-                         memory_bytes=max(0, available_memory_bytes() - num_blocks * block_bytes))
+            free = max(0, available_memory_bytes() - num_blocks * block_bytes)
+            free -= pack_linears(base + [(self.model.lm_head, "lm_head")], memory_bytes=free)
+            cpu_greedy.attach(self.model.lm_head, memory_bytes=free)  # greedy rows skip the logits where it can
         self.scheduler = Scheduler(self.config, self.block_manager, self.adapters, self.eos_token_ids,
                                    self.model_config.max_model_len)
         self.runner = ModelRunner(self.model, self.block_manager, self.dtype, self.device)

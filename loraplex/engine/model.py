@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.engine.attention import AttentionMetadata, paged_attention
-from loraplex.kernels import LoRAMeta, LoRAWeights, base_linear, cpu_ext, lora_linear
+from loraplex.kernels import LoRAMeta, LoRAWeights, base_linear, cpu_ext, cpu_greedy, lora_linear
 from loraplex.kernels.cpu_gemm import silu_mul_linear
 from loraplex.model_config import ModelConfig
 
@@ -267,6 +267,14 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, H] -> fp32 logits [B, V]."""
         return base_linear(self.lm_head, hidden).float()
+
+    @torch.inference_mode()
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        """hidden [B, H] -> each row's `compute_logits(hidden)[b].max(-1).indices`, found without the logits
+        (kernels/cpu_greedy.py: a bf16 screen, then the few tokens it cannot rule out in exact fp32), or -1
+        for a row it leaves to the logits; None where that path does not run."""
+        out = cpu_greedy.greedy_tokens(self.lm_head, hidden)
+        return None if out is None else out[0]
 
     def load_hf_weights(self, weights) -> None:
         """Copy (name, tensor) pairs in Hugging Face naming into the fused parameters.

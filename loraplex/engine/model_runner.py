@@ -113,10 +113,14 @@ class ModelRunner:
         out_lora = None if every or lora is None else lora.select(rows)  # from host lists: no device sync
         hidden = self.model(input_ids, positions, self.kv_caches, attn, lora, out_rows, out_lora)  # [B, H]
         result = StepResult()
-        if not sampled:
-            return result
-        logits = self.model.compute_logits(hidden)  # [B, V]
-        tokens, errors, logprobs = sample_rows(logits, sampled, before_sample)
+        tokens: list[int | None] = [None] * len(sampled)
+        errors: list[Exception | None] = [None] * len(sampled)
+        logprobs: list[TokenLogprobs | None] = [None] * len(sampled)
+        rest = self._greedy(hidden, sampled, tokens, errors, before_sample)  # rows that need their logits
+        if rest:
+            logits = self.model.compute_logits(hidden if len(rest) == len(sampled) else hidden[rest])  # [B', V]
+            for i, t, e, lp in zip(rest, *sample_rows(logits, [sampled[i] for i in rest], before_sample), strict=True):
+                tokens[i], errors[i], logprobs[i] = t, e, lp
         for req, token, error, lp in zip(sampled, tokens, errors, logprobs, strict=True):
             if error is None:
                 result.tokens[req.request_id] = token
@@ -125,3 +129,26 @@ class ModelRunner:
             else:
                 result.errors[req.request_id] = error
         return result
+
+    def _greedy(self, hidden: torch.Tensor, sampled: list[Request], tokens: list, errors: list,
+                before_sample: Callable[[Request], None] | None) -> list[int]:
+        """Fill tokens[i] (or errors[i], what before_sample raised) for the rows whose token is the plain
+        argmax of their logits (greedy, no logprobs, no grammar), where `LlamaModel.greedy_tokens` finds it
+        without the logits; returns the indices of the other rows, in order. hidden: [B, H]."""
+        plain = [i for i, r in enumerate(sampled)
+                 if r.sampling_params.is_greedy and r.sampling_params.logprobs is None and r.grammar is None]
+        found = self.model.greedy_tokens(hidden if len(plain) == len(sampled) else hidden[plain]) if plain else None
+        if found is None:
+            return list(range(len(sampled)))
+        done = set()
+        for i, token in zip(plain, found, strict=True):
+            if token < 0:
+                continue  # left to the logits (a non-finite row: sample_rows says so)
+            done.add(i)
+            try:
+                if before_sample is not None:
+                    before_sample(sampled[i])
+                tokens[i] = token
+            except Exception as exc:
+                errors[i] = exc
+        return [i for i in range(len(sampled)) if i not in done]

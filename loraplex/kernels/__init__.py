@@ -3,7 +3,8 @@
 Files by concern: `metadata` (the step's segments), `weights` (slot buffers: weights only),
 `reference` (the fp32 reference), `cpu` (the CPU implementation, which owns the CPU paths' caches),
 `cpu_packed` and `cpu_bgmv` (the CPU paths), `cpu_ext` (the compiled CPU kernel), `cpu_gemm` (base
-linears on weights packed once for our AVX2 GEMM, oneDNN or MKL), `triton_sgmv` (the
+linears on weights packed once for our AVX2 GEMM, oneDNN or MKL), `cpu_greedy` (greedy tokens from the
+lm_head without the logits), `triton_sgmv` (the
 CUDA kernels), `lora_ops` (the dispatch). Nothing here imports `engine/` or
 `adapters/`.
 

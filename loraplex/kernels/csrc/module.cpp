@@ -1,5 +1,5 @@
 // The CPU extension's Python module: the functions of bgmv_cpu.cpp, paged_attention_cpu.cpp,
-// packed_gemm_cpu.cpp, gemm_cpu.cpp, rope_cpu.cpp and norm_act_cpu.cpp.
+// packed_gemm_cpu.cpp, gemm_cpu.cpp, greedy_head_cpu.cpp, rope_cpu.cpp and norm_act_cpu.cpp.
 #include <torch/extension.h>
 
 #include <string>
@@ -22,6 +22,9 @@ int64_t gemm_floats(int64_t n, int64_t k, const std::string& isa);
 at::Tensor gemm_pack(const at::Tensor& weight, const std::string& isa, int64_t glu);
 at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::string& isa,
                        const c10::optional<at::Tensor>& bias, int64_t glu, bool act);
+at::Tensor greedy_head_pack(const at::Tensor& weight);
+std::vector<at::Tensor> greedy_head(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& norms,
+                                    const at::Tensor& weight);
 bool packed_gemm_available();
 at::Tensor packed_gemm_pack(const at::Tensor& weight);
 int64_t packed_gemm_bytes(int64_t n, int64_t k);
@@ -53,6 +56,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ weight^T (+ bias) on a weight packed for isa; act (glu only): silu(gate) x up (see gemm_cpu.cpp)",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("isa"), py::arg("bias") = py::none(),
         py::arg("glu") = 0, py::arg("act") = false);
+  m.def("greedy_head_pack", &greedy_head_pack, "An fp32 [V, K] lm_head weight as bf16 pairs in greedy_head's panels");
+  m.def("greedy_head", &greedy_head,
+        "(tokens, candidates): each row's argmax of x @ weight^T by a bf16 screen and an exact fp32 recheck, "
+        "-1 where the row is left to the caller (see greedy_head_cpu.cpp)",
+        py::arg("x"), py::arg("packed"), py::arg("norms"), py::arg("weight"));
   m.def("packed_gemm_available", &packed_gemm_available, "Whether this PyTorch's MKL has the packed GEMM");
   m.def("packed_gemm_pack", &packed_gemm_pack, "An fp32 [N, K] weight packed for packed_gemm_linear");
   m.def("packed_gemm_bytes", &packed_gemm_bytes, "Bytes of a packed [N, K] weight");

@@ -1,0 +1,311 @@
+// Greedy decoding's lm_head without the fp32 logits: the argmax of x @ W^T found by a bf16 screen and an
+// exact fp32 recheck of the few tokens the screen cannot rule out.
+//
+// Letters: M rows of x (hidden states), K hidden size, V vocab; NR = 48 columns of a panel, MR = 8 rows of
+// a tile, K2 = ceil(K / 2) bf16 pairs.
+//
+// The fp32 logit f_j = sum_k x_k W_jk, as gemm_cpu.cpp's avx512 GEMM computes it (one FMA chain from 0
+// in k order), is what greedy decoding takes the argmax of. The screen computes s_j from x and W rounded
+// to bf16 (round to nearest even), their products summed in fp32 by vdpbf16ps, at twice the FMA rate of
+// fp32 on the CPUs that have AVX512-BF16 and from half the weight bytes. With u = 2^-9 (bf16's unit
+// roundoff), g_K = K 2^-24 / (1 - K 2^-24) (the bound on K fp32 roundings, Higham, "Accuracy and
+// Stability of Numerical Algorithms", 2nd ed., section 3.1) and S_j = sum_k |x_k| |W_jk|:
+//   |s_j - f_j| <= ((2u + u^2) + g_K ((1 + u)^2 + 1)) S_j  <=  c ||x||_2 ||W_j||_2 = B_j
+// (Cauchy-Schwarz; c adds 2^-22 for the roundings of B_j, s_j + B_j and s_j - B_j, then 0.1%, and B_j
+// adds 1e-30 for the subnormals vdpbf16ps flushes to zero). So every token j with s_j + B_j below
+// L = max_i (s_i - B_i) has f_j < f_i for some i, and the argmax of f is among the others: the
+// candidates. Each candidate's f_j is then computed exactly as the GEMM does (the same FMA chain, so the
+// same bits), and the first largest wins, as `logits.max(dim=-1)` picks. On the default model (SmolLM2,
+// K = 576, ||x|| 40-63 and ||W_j|| 1.8-7.5 at its last layer) a row has 1-25 candidates, 2.2 on average.
+//
+// While the panels go by, each row keeps a running L and the (column, s_j + B_j) of every column that
+// is not below that row's L so far; a smaller L than the final one only keeps more, and the list is
+// filtered by the final L at the end. No [M, V] logits are written or read again.
+//
+// A row is not screened (its token is -1; the caller computes its logits) when x holds a NaN or Inf or
+// ||x|| max_j ||W_j|| could come near fp32's range, where a logit may overflow: its logits decide what
+// the caller reports (sampler.check_finite).
+//
+// The GEMM is gemm_cpu.cpp's register-blocked one (BLIS) on bf16 pairs: the weight packed once in panels
+// [ceil(V / NR)][K2][NR] of 32-bit bf16 pairs (W_j,2q in the low half), each tile of MR rows x NR
+// columns keeping 24 zmm accumulators over the whole of K2 (vdpbf16ps with the row's pair broadcast),
+// and the next panel prefetched a few lines per step, spread over the tiles of the panel.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define LORAPLEX_GREEDY_X86 1
+#define LORAPLEX_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define LORAPLEX_FMA __attribute__((target("fma")))
+#define LORAPLEX_INLINE inline __attribute__((always_inline))
+#endif
+
+bool avx512_bf16_available();  // bgmv_cpu.cpp
+
+namespace {
+
+constexpr int64_t kNR = 48, kMR = 8;
+constexpr double kLimit = 1e36;  // ||x|| max ||W_j|| above this: the row is left to the fp32 logits
+
+int64_t num_panels(int64_t v) { return (v + kNR - 1) / kNR; }
+
+// The bits of fp32 v rounded to the nearest bf16, ties to even (finite v).
+uint32_t bf16_bits(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, 4);
+  return (b + 0x7FFF + ((b >> 16) & 1)) >> 16;
+}
+
+// c of the bound above, for K terms.
+double bound_factor(int64_t k) {
+  const double u = std::ldexp(1.0, -9), e = std::ldexp(1.0, -24);
+  const double g = k * e / (1.0 - k * e);
+  return ((2 * u + u * u) + g * ((1 + u) * (1 + u) + 1) + std::ldexp(1.0, -22)) * 1.001;
+}
+
+// What one thread found over its panels, per row: the running L and the candidates (column, s + B) in
+// column order.
+struct Found {
+  std::vector<float> floor;
+  std::vector<std::vector<std::pair<int64_t, float>>> cands;
+};
+
+#if defined(LORAPLEX_GREEDY_X86)
+template <int Lines>
+LORAPLEX_INLINE void prefetch_lines(const char* next, int64_t j, int64_t step) {
+#pragma GCC unroll 3
+  for (int l = 0; l < Lines; ++l) _mm_prefetch(next + j * step + 64 * l, _MM_HINT_T0);
+}
+
+// The tile of rows i0 .. i0 + R - 1 and panel p: s by vdpbf16ps over the K2 pairs, then the screen's
+// bookkeeping for its columns (col0 ..; cols valid).
+template <int R, int Lines>
+LORAPLEX_BF16 void tile(int64_t k2, const uint32_t* xp, const uint32_t* b, const float* wn, const float* cx,
+                        int64_t col0, int64_t cols, const char* next, int64_t step, Found& f, int64_t i0) {
+  __m512 acc[R][3];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 3
+    for (int v = 0; v < 3; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t q = 0; q < k2; ++q, b += kNR) {
+    prefetch_lines<Lines>(next, q, step);
+    __m512i w[3];
+#pragma GCC unroll 3
+    for (int v = 0; v < 3; ++v) w[v] = _mm512_load_si512(b + 16 * v);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m512i xv = _mm512_set1_epi32(static_cast<int>(xp[i * k2 + q]));
+#pragma GCC unroll 3
+      for (int v = 0; v < 3; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], (__m512bh)xv, (__m512bh)w[v]);
+    }
+  }
+  __m512 wv[3];
+  __mmask16 valid[3];
+#pragma GCC unroll 3
+  for (int v = 0; v < 3; ++v) {
+    wv[v] = _mm512_loadu_ps(wn + 16 * v);
+    const int64_t left = std::clamp<int64_t>(cols - 16 * v, 0, 16);
+    valid[v] = static_cast<__mmask16>((1u << left) - 1);
+  }
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 tiny = _mm512_set1_ps(1e-30f);
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    const __m512 c = _mm512_set1_ps(cx[i0 + i]);
+    __m512 hi[3], lo = ninf;
+#pragma GCC unroll 3
+    for (int v = 0; v < 3; ++v) {
+      const __m512 bound = _mm512_fmadd_ps(c, wv[v], tiny);
+      hi[v] = _mm512_mask_mov_ps(ninf, valid[v], _mm512_add_ps(acc[i][v], bound));
+      lo = _mm512_mask_max_ps(lo, valid[v], lo, _mm512_sub_ps(acc[i][v], bound));
+    }
+    float& floor = f.floor[i0 + i];
+    floor = std::max(floor, _mm512_reduce_max_ps(lo));
+    const __m512 fl = _mm512_set1_ps(floor);
+#pragma GCC unroll 3
+    for (int v = 0; v < 3; ++v) {
+      uint32_t m = _mm512_cmp_ps_mask(hi[v], fl, _CMP_GE_OQ);
+      if (!m) continue;
+      alignas(64) float h[16];
+      _mm512_store_ps(h, hi[v]);
+      for (; m; m &= m - 1) {
+        const int lane = __builtin_ctz(m);
+        f.cands[i0 + i].emplace_back(col0 + 16 * v + lane, h[lane]);
+      }
+    }
+  }
+}
+
+#define LORAPLEX_GREEDY_CASES(R)                                                 \
+  case R:                                                                        \
+    switch (lines) {                                                             \
+      case 0: return tile<R, 0>(k2, xp, b, wn, cx, col0, cols, next, step, f, i0); \
+      case 1: return tile<R, 1>(k2, xp, b, wn, cx, col0, cols, next, step, f, i0); \
+      case 2: return tile<R, 2>(k2, xp, b, wn, cx, col0, cols, next, step, f, i0); \
+      default: return tile<R, 3>(k2, xp, b, wn, cx, col0, cols, next, step, f, i0); \
+    }
+
+LORAPLEX_BF16 void run_tile(int64_t r, int lines, int64_t k2, const uint32_t* xp, const uint32_t* b,
+                            const float* wn, const float* cx, int64_t col0, int64_t cols, const char* next,
+                            int64_t step, Found& f, int64_t i0) {
+  switch (r) {
+    LORAPLEX_GREEDY_CASES(8)
+    LORAPLEX_GREEDY_CASES(7)
+    LORAPLEX_GREEDY_CASES(6)
+    LORAPLEX_GREEDY_CASES(5)
+    LORAPLEX_GREEDY_CASES(4)
+    LORAPLEX_GREEDY_CASES(3)
+    LORAPLEX_GREEDY_CASES(2)
+    LORAPLEX_GREEDY_CASES(1)
+  }
+}
+#undef LORAPLEX_GREEDY_CASES
+
+// sum_q a[q] b[q] as one FMA chain from 0 in q order: an output of gemm_cpu.cpp's GEMM, to the bit.
+LORAPLEX_FMA float fma_dot(const float* a, const float* b, int64_t k) {
+  float s = 0.f;
+  for (int64_t q = 0; q < k; ++q) s = std::fma(a[q], b[q], s);
+  return s;
+}
+
+// Panels [p0, p1) for every row (x's rows as pairs xp [M, K2]), into f.
+void screen(const uint32_t* xp, int64_t m, int64_t k2, const uint32_t* packed, const float* wn_padded,
+            const float* cx, int64_t v, int64_t p0, int64_t p1, Found& f) {
+  const int64_t panel = k2 * kNR;  // pairs
+  const int64_t tiles = (m + kMR - 1) / kMR;
+  const int64_t share = (panel * 4 / tiles + 63) / 64 * 64;  // bytes of the next panel each tile asks for
+  const int64_t step = (share + k2 - 1) / k2;
+  const int lines = static_cast<int>(std::min<int64_t>((step + 63) / 64, 3));
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint32_t* b = packed + p * panel;
+    const int64_t cols = std::min(kNR, v - p * kNR);
+    for (int64_t i = 0, t = 0; i < m; i += kMR, ++t) {
+      const bool asks = p + 1 < p1;
+      const char* next = asks ? reinterpret_cast<const char*>(b + panel) + t * share : nullptr;
+      run_tile(std::min(kMR, m - i), asks ? lines : 0, k2, xp + i * k2, b, wn_padded + p * kNR, cx, p * kNR,
+               cols, next, step, f, i);
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+// weight [V, K] fp32 -> [ceil(V / 48), ceil(K / 2), 48] int32: its bf16 pairs (round to nearest even;
+// W_j,2q in the low 16 bits, zeros past V and K), greedy_head's layout. Raises for another shape or
+// dtype, or a weight that is not all finite.
+at::Tensor greedy_head_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
+              "greedy_head_pack: weight must be a 2-D fp32 CPU tensor, got ", weight.sizes(), " ",
+              weight.scalar_type());
+  TORCH_CHECK(at::isfinite(weight).all().item<bool>(), "greedy_head_pack: weight has a NaN or Inf");
+  const at::Tensor w = weight.contiguous();
+  const int64_t v = w.size(0), k = w.size(1), k2 = (k + 1) / 2, panels = num_panels(v);
+  at::Tensor out = at::zeros({panels, k2, kNR}, w.options().dtype(at::kInt));
+  const float* src = w.data_ptr<float>();
+  uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  for (int64_t j = 0; j < v; ++j) {
+    const float* row = src + j * k;
+    uint32_t* col = dst + (j / kNR) * k2 * kNR + j % kNR;
+    for (int64_t q = 0; q < k2; ++q) {
+      const uint32_t lo = bf16_bits(row[2 * q]), hi = 2 * q + 1 < k ? bf16_bits(row[2 * q + 1]) : 0;
+      col[q * kNR] = lo | (hi << 16);
+    }
+  }
+  return out;
+}
+
+// x [M, K] fp32 (rows may be strided), packed = greedy_head_pack(weight), norms [V] fp32 (each >= ||W_j||_2),
+// weight [V, K] fp32 (the lm_head's, contiguous) -> (tokens [M] int64: each row's argmax of x @ weight^T as
+// gemm_cpu.cpp's avx512 GEMM computes it, the first on a tie, or -1 for a row left to the caller (see
+// above); candidates [M] int64: the tokens each row computed in fp32). Raises where the CPU has no
+// AVX512-BF16, or for shapes that do not fit.
+std::vector<at::Tensor> greedy_head(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& norms,
+                                    const at::Tensor& weight) {
+  TORCH_CHECK(avx512_bf16_available(), "greedy_head: this CPU has no AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(1) == 1,
+              "greedy_head: x must be a 2-D fp32 CPU tensor with contiguous rows");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                  weight.size(1) == x.size(1),
+              "greedy_head: weight must be a contiguous fp32 [V, K] tensor with x's K = ", x.size(1),
+              " columns, got ", weight.sizes());
+  const int64_t m = x.size(0), k = x.size(1), v = weight.size(0), k2 = (k + 1) / 2, panels = num_panels(v);
+  TORCH_CHECK(packed.scalar_type() == at::kInt && packed.is_contiguous() && packed.numel() == panels * k2 * kNR,
+              "greedy_head: packed does not hold a [", v, ", ", k, "] weight (greedy_head_pack)");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr<int32_t>()) % 64 == 0,
+              "greedy_head: packed is not 64-byte aligned");
+  TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.numel() == v, "greedy_head: norms must be [V] fp32");
+  at::Tensor tokens = at::full({m}, -1, x.options().dtype(at::kLong));
+  at::Tensor counts = at::zeros({m}, x.options().dtype(at::kLong));
+  if (m == 0) return {tokens, counts};
+#if defined(LORAPLEX_GREEDY_X86)
+  std::vector<float> wn(panels * kNR, 0.f);
+  const at::Tensor nc = norms.contiguous();
+  std::memcpy(wn.data(), nc.data_ptr<float>(), v * sizeof(float));
+  const double wmax = *std::max_element(wn.begin(), wn.end());
+  const double c = bound_factor(k);
+  // rows as bf16 pairs; cx[i] = c ||x_i|| rounded up; rows left out get cx = -1 and no screen
+  std::vector<uint32_t> xp(m * k2, 0);
+  std::vector<float> cx(m);
+  std::vector<char> screened(m);
+  const float* xa = x.data_ptr<float>();
+  for (int64_t i = 0; i < m; ++i) {
+    const float* row = xa + i * x.stride(0);
+    double ss = 0;
+    bool finite = true;
+    for (int64_t j = 0; j < k; ++j) {
+      finite &= std::isfinite(row[j]);
+      ss += static_cast<double>(row[j]) * row[j];
+    }
+    const double xn = std::sqrt(ss);
+    screened[i] = finite && xn * wmax < kLimit;
+    cx[i] = screened[i] ? static_cast<float>(c * xn * (1 + 1e-6)) : 0.f;
+    if (!screened[i]) continue;
+    for (int64_t q = 0; q < k2; ++q)
+      xp[i * k2 + q] = bf16_bits(row[2 * q]) | ((2 * q + 1 < k ? bf16_bits(row[2 * q + 1]) : 0u) << 16);
+  }
+  // the panels split in one range per thread, each range's findings kept apart, merged in column order
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
+  std::vector<Found> found(parts);
+  for (auto& f : found) {
+    f.floor.assign(m, -std::numeric_limits<float>::infinity());
+    f.cands.resize(m);
+  }
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
+  at::parallel_for(0, parts, 1, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t)
+      screen(xp.data(), m, k2, w, wn.data(), cx.data(), v, panels * t / parts, panels * (t + 1) / parts, found[t]);
+  });
+  // the exact recheck: each candidate's logit as the fp32 GEMM's FMA chain makes it
+  const float* wf = weight.data_ptr<float>();
+  int64_t* tok = tokens.data_ptr<int64_t>();
+  int64_t* cnt = counts.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m; ++i) {
+    if (!screened[i]) continue;
+    float floor = -std::numeric_limits<float>::infinity();
+    for (const auto& f : found) floor = std::max(floor, f.floor[i]);
+    const float* row = xa + i * x.stride(0);
+    float best = -std::numeric_limits<float>::infinity();
+    int64_t arg = -1, n = 0;
+    for (const auto& f : found) {
+      for (const auto& [j, hi] : f.cands[i]) {
+        if (hi < floor) continue;
+        const float s = fma_dot(row, wf + j * k, k);
+        ++n;
+        if (arg < 0 || s > best) best = s, arg = j;
+      }
+    }
+    tok[i] = arg;
+    cnt[i] = n;
+  }
+#endif
+  return {tokens, counts};
+}

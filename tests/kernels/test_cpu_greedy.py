@@ -1,0 +1,161 @@
+"""Greedy tokens from the lm_head without the logits (`kernels/cpu_greedy.py`, csrc/greedy_head_cpu.cpp):
+the argmax of our avx512 GEMM's fp32 logits, the first on a tie, for every row it screens, including ties
+and near ties the bf16 screen cannot resolve; rows it leaves out; where it runs and where it does not."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from loraplex.kernels import cpu_ext, cpu_gemm, cpu_greedy
+
+ext = cpu_ext.load()
+BF16 = ext is not None and ext.avx512_bf16_available()
+pytestmark = pytest.mark.skipif(not BF16, reason="needs the CPU kernels and a CPU with AVX512-BF16")
+
+
+def _head(v: int, k: int, gen: torch.Generator, weight: torch.Tensor | None = None) -> nn.Linear:
+    """An fp32 [v, k] lm_head (random, or `weight`), packed for our avx512 GEMM and given the screen's copy."""
+    head = nn.Linear(k, v, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(v, k, generator=gen) / k**0.25 if weight is None else weight)
+    assert cpu_gemm.pack_linears([(head, "lm_head")], memory_bytes=1 << 40, name="avx512")
+    assert cpu_greedy.attach(head, memory_bytes=1 << 40)
+    return head
+
+
+def _hidden(head: nn.Linear, rows: int, gen: torch.Generator) -> torch.Tensor:
+    """[rows, K] hidden states like a last layer's: noise plus a multiple of some token's weight row, so
+    that each row has a clear winner and a spread of close runners-up."""
+    w = head.weight.detach()
+    picks = torch.randint(0, w.shape[0], (rows,), generator=gen)
+    return torch.randn(rows, w.shape[1], generator=gen) + 2 * w[picks]
+
+
+def _fp32_argmax(head: nn.Linear, x: torch.Tensor) -> list[int]:
+    """The tokens greedy decoding takes from the logits: our avx512 GEMM's, then max(-1) (first on a tie)."""
+    return cpu_gemm.linear(head, x).max(dim=-1).indices.tolist()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("v", "k"), [(49152 // 8, 576), (1000, 73), (48, 64), (50, 2)])
+def test_tokens_are_the_fp32_argmax_for_every_tile_height_and_shape(v, k, threads):
+    """Rows 1-8 (each tile height), 13, 64 and 100; a last panel of 40 of 48 columns (V = 1000) or 2 of 48
+    (V = 50); an odd K (the last bf16 pair half zero); one and two threads (the panels split, the
+    candidates merged in column order)."""
+    gen = torch.Generator().manual_seed(v + k)
+    head = _head(v, k, gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 13, 64, 100):
+            x = _hidden(head, rows, gen)
+            tokens, candidates = cpu_greedy.greedy_tokens(head, x)
+            assert tokens == _fp32_argmax(head, x), rows
+            assert all(c >= 1 for c in candidates)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_strided_rows_give_the_tokens_of_their_contiguous_copy():
+    gen = torch.Generator().manual_seed(1)
+    head = _head(500, 64, gen)
+    wide = _hidden(head, 9, gen).repeat(1, 3)[:, 64:128]  # rows 192 floats apart
+    assert not wide.is_contiguous()
+    assert cpu_greedy.greedy_tokens(head, wide)[0] == _fp32_argmax(head, wide.contiguous())
+
+
+def test_a_tie_goes_to_the_first_token_and_a_near_tie_below_bf16_is_resolved_in_fp32():
+    """Tokens 7 and 300 have the same weight row (an exact tie: 7 wins, as max(-1) picks); token 500's row is
+    theirs plus 1e-4 in column 0, which no other row uses, so x's column 0 moves token 500's logit alone:
+    not at all (a three-way tie), up by 5e-3 or down by 5e-3, far inside the screen's bound (about 0.3
+    here). The screen cannot rule out any of the three, so the fp32 recheck decides."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(600, 64, generator=gen) / 64**0.25
+    w[:, 0] = 0.0
+    w[300] = w[7]
+    w[500] = w[7]
+    w[500, 0] = 1e-4
+    head = _head(600, 64, gen, w)
+    x = (10 * w[7]).repeat(3, 1)  # [3, K]
+    x[:, 0] = torch.tensor([0.0, 50.0, -50.0])
+    tokens, candidates = cpu_greedy.greedy_tokens(head, x)
+    logits = cpu_gemm.linear(head, x)
+    assert logits[0, 7] == logits[0, 300] == logits[0, 500] and logits[2, 7] == logits[2, 300] > logits[2, 500]
+    assert logits[1, 500] > logits[1, 7]
+    assert tokens == _fp32_argmax(head, x) == [7, 500, 7]
+    assert all(c >= 3 for c in candidates)
+
+
+def test_a_row_with_a_nan_inf_or_a_huge_norm_is_left_to_the_logits_and_the_others_are_not():
+    gen = torch.Generator().manual_seed(3)
+    head = _head(400, 32, gen)
+    x = _hidden(head, 5, gen)
+    x[1, 3] = float("nan")
+    x[2, 0] = float("inf")
+    x[3] *= 1e35  # logits may overflow: the caller's logits say what happens
+    tokens, candidates = cpu_greedy.greedy_tokens(head, x)
+    assert tokens[1:4] == [-1, -1, -1] and candidates[1:4] == [0, 0, 0]
+    want = _fp32_argmax(head, x)
+    assert [tokens[0], tokens[4]] == [want[0], want[4]]
+
+
+def test_the_kernel_refuses_what_does_not_fit():
+    gen = torch.Generator().manual_seed(4)
+    head = _head(100, 64, gen)
+    x = _hidden(head, 2, gen)
+    w = head.weight.detach()
+    with pytest.raises(RuntimeError, match="packed does not hold"):
+        ext.greedy_head(x, ext.greedy_head_pack(w[:50]), head.greedy_norms, w)
+    packed = head.greedy_packed.view(-1)
+    shifted = torch.empty(packed.numel() + 1, dtype=packed.dtype)[1:]  # the right size, 4 bytes off
+    shifted.copy_(packed)
+    with pytest.raises(RuntimeError, match="not 64-byte aligned"):
+        ext.greedy_head(x, shifted, head.greedy_norms, w)
+    with pytest.raises(RuntimeError, match=r"with x.s K = 32 columns, got \[100, 64\]"):
+        ext.greedy_head(x[:, :32], head.greedy_packed, head.greedy_norms, w)
+    with pytest.raises(RuntimeError, match="NaN or Inf"):
+        ext.greedy_head_pack(torch.full((4, 4), float("inf")))
+
+
+def test_norms_are_never_below_the_exact_ones():
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(2000, 77, generator=gen)
+    assert (cpu_greedy.norms_rounded_up(w).double() >= w.double().norm(dim=1)).all()
+
+
+def test_the_screen_runs_only_on_an_fp32_lm_head_packed_for_our_avx512_gemm(monkeypatch, caplog):
+    gen = torch.Generator().manual_seed(6)
+
+    def linear(bias=False):
+        lin = nn.Linear(64, 200, bias=bias)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(200, 64, generator=gen))
+        return lin
+
+    plain = linear()
+    assert not cpu_greedy.attach(plain)  # not packed
+    assert cpu_greedy.greedy_tokens(plain, torch.randn(2, 64)) is None
+    onednn = linear()
+    cpu_gemm.pack_linears([(onednn, "lm_head")], memory_bytes=1 << 40, name="onednn")
+    assert not cpu_greedy.attach(onednn)  # another arithmetic than the recheck's FMA chain
+    biased = linear(bias=True)
+    cpu_gemm.pack_linears([(biased, "lm_head")], memory_bytes=1 << 40, name="avx512")
+    assert not cpu_greedy.attach(biased)
+    small = linear()
+    cpu_gemm.pack_linears([(small, "lm_head")], memory_bytes=1 << 40, name="avx512")
+    with caplog.at_level(logging.WARNING, logger="loraplex.kernels.cpu_greedy"):
+        assert not cpu_greedy.attach(small, memory_bytes=1000)
+    assert "needs 0 MiB, more than 25% of the 0 MiB available" in caplog.text
+    monkeypatch.setattr(cpu_greedy, "enabled", False)  # LORAPLEX_GREEDY_HEAD=0
+    assert not cpu_greedy.attach(small, memory_bytes=1 << 40)
+    monkeypatch.setattr(cpu_greedy, "enabled", True)
+    assert cpu_greedy.attach(small, memory_bytes=1 << 40)
+    x = torch.randn(3, 64, generator=gen)
+    assert cpu_greedy.greedy_tokens(small, x)[0] == _fp32_argmax(small, x)
+    assert cpu_greedy.greedy_tokens(small, x.double()) is None  # not what the packed copy takes
+    small.weight = nn.Parameter(small.weight.detach().clone())  # re-bound: the copies are not of it
+    assert cpu_greedy.greedy_tokens(small, x) is None
