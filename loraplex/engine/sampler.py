@@ -16,6 +16,10 @@ logits in fp32, after the grammar mask and before temperature, top-k and top-p: 
 `logprobs_mode="raw_logprobs"`, and what OpenAI's `logprobs` report. Tokens a grammar excludes
 (log-probability -inf) are left out of a row's top list, which may then be shorter than asked.
 
+Rows that want only the argmax (greedy, no logprobs, no grammar) may not come here: where the lm_head's
+bf16 screen runs (`kernels/cpu_greedy.py`), `ModelRunner` takes their tokens from it, the same tokens
+`sample` gives, without the logits.
+
 `sample_rows` isolates rows: when the batched call raises, each row is sampled alone, so a request
 whose sampling fails ends alone and every other row gets the token it would have got.
 """
