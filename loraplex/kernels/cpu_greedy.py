@@ -38,9 +38,10 @@ def norms_rounded_up(weight: torch.Tensor) -> torch.Tensor:
 
 def attach(lm_head: nn.Linear, memory_bytes: int | None = None) -> bool:
     """Give `lm_head` the screen's copy of its weight (`greedy_packed`, bf16 pairs, half the fp32 bytes, and
-    `greedy_norms` [V]) where the screen can run (see the module docstring; no bias; a finite weight) and
+    `greedy_norms` [V]) where the screen can run (see the module docstring; no bias) and
     the copy takes at most `cpu_gemm.MEMORY_SHARE` of `memory_bytes` (default: the machine's available
-    memory). Returns whether it did; a copy that does not fit is logged."""
+    memory). Returns whether it did; a copy that does not fit, or a weight the screen cannot bound (a value
+    that is not finite or beyond bf16's range), is logged."""
     weight = lm_head.weight
     if (not enabled or lm_head.bias is not None or weight.dtype != torch.float32 or weight.device.type != "cpu"
             or not weight.is_contiguous() or getattr(lm_head, "packed_backend", None) != "avx512" or getattr(lm_head, "packed_weight", None) is None):
@@ -54,9 +55,12 @@ def attach(lm_head: nn.Linear, memory_bytes: int | None = None) -> bool:
         logger.warning("greedy rows compute every logit: the lm_head's bf16 screen needs %.0f MiB, more than %d%% "
                        "of the %.0f MiB available", need / 2**20, cpu_gemm.MEMORY_SHARE * 100, have / 2**20)
         return False
-    if not torch.isfinite(weight).all():
+    try:
+        packed = ext.greedy_head_pack(weight.detach())
+    except RuntimeError as exc:  # a value beyond bf16's range, a NaN or an Inf: no bound holds
+        logger.info("greedy rows compute every logit: %s", exc)
         return False
-    lm_head.greedy_packed = ext.greedy_head_pack(weight.detach())
+    lm_head.greedy_packed = packed
     lm_head.greedy_norms = norms_rounded_up(weight)
     return True
 

@@ -90,6 +90,58 @@ def test_a_tie_goes_to_the_first_token_and_a_near_tie_below_bf16_is_resolved_in_
     assert all(c >= 3 for c in candidates)
 
 
+def test_correlated_bf16_roundings_do_not_drop_the_argmax():
+    """x and W_0 round down to bf16 where W_0 is nonzero, x rounds up where W_1 is: the screened logits put
+    token 1 ahead (30.34 against 30.00) though token 0 wins in fp32 (30.2348 against 30.2270). A bound
+    built on half of bf16's unit roundoff (2^-9 rather than 2^-8) drops token 0 here."""
+    a = 1 + 2**-8 - 2**-23  # bf16: 1.0 (down by almost 2^-8)
+    b = 1 + 2**-8 + 2**-23  # bf16: 1 + 2^-7 (up)
+    x = torch.tensor([[a] * 30 + [b] * 30])
+    w = torch.tensor([[a] * 30 + [0.0] * 30, [0.0] * 30 + [1 + 2**-7] * 14 + [1.0] * 16])
+    head = _head(2, 60, torch.Generator(), w)
+    logits = cpu_gemm.linear(head, x)
+    assert logits[0, 0] > logits[0, 1] + 0.005
+    screened = (x.bfloat16().float() @ w.bfloat16().float().t())[0]
+    assert screened[1] > screened[0] + 0.3
+    assert cpu_greedy.greedy_tokens(head, x)[0] == [0]
+
+
+def test_a_winner_decided_by_the_fp32_rounding_alone_is_the_gemm_s():
+    """Every weight row is a permutation of one vector of mixed magnitudes and x is all ones, so the exact
+    logits are all equal and which one wins (and which tie first) is decided by the rounding of the
+    GEMM's FMA chain in k order: the recheck must make the same bits."""
+    gen = torch.Generator().manual_seed(7)
+    k, v = 576, 300
+    base = torch.randn(k, generator=gen) * 10 ** (torch.rand(k, generator=gen) * 6 - 3)
+    w = torch.stack([base[torch.randperm(k, generator=gen)] for _ in range(v)])
+    head = _head(v, k, gen, w)
+    x = torch.ones(3, k)
+    logits = cpu_gemm.linear(head, x)
+    assert len(set(logits[0].tolist())) > 10  # the rounding tells the rows apart
+    tokens, candidates = cpu_greedy.greedy_tokens(head, x)
+    assert tokens == _fp32_argmax(head, x)
+    assert min(candidates) > 10  # the screen could not tell them apart: the recheck decided
+
+
+def test_a_weight_or_row_beyond_bf16_s_range_is_not_screened():
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(100, 16, generator=gen)
+    w[3, 2] = 3.4e38  # finite in fp32, inf in bf16
+    head = nn.Linear(16, 100, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(w)
+    cpu_gemm.pack_linears([(head, "lm_head")], memory_bytes=1 << 40, name="avx512")
+    assert not cpu_greedy.attach(head, memory_bytes=1 << 40)
+    with pytest.raises(RuntimeError, match="beyond bf16's range"):
+        ext.greedy_head_pack(w)
+    ok = _head(100, 16, gen)
+    x = torch.zeros(2, 16)
+    x[0, 0] = 1.0
+    x[1, 0] = 3.4e38
+    tokens, _ = cpu_greedy.greedy_tokens(ok, x)
+    assert tokens[1] == -1 and tokens[0] == _fp32_argmax(ok, x[:1])[0]
+
+
 def test_a_row_with_a_nan_inf_or_a_huge_norm_is_left_to_the_logits_and_the_others_are_not():
     gen = torch.Generator().manual_seed(3)
     head = _head(400, 32, gen)
@@ -117,7 +169,7 @@ def test_the_kernel_refuses_what_does_not_fit():
         ext.greedy_head(x, shifted, head.greedy_norms, w)
     with pytest.raises(RuntimeError, match=r"with x.s K = 32 columns, got \[100, 64\]"):
         ext.greedy_head(x[:, :32], head.greedy_packed, head.greedy_norms, w)
-    with pytest.raises(RuntimeError, match="NaN or Inf"):
+    with pytest.raises(RuntimeError, match="a NaN, an Inf or a value beyond"):
         ext.greedy_head_pack(torch.full((4, 4), float("inf")))
 
 
