@@ -143,7 +143,7 @@ class ModelRunner:
         done = set()
         for i, token in zip(plain, found, strict=True):
             if token < 0:
-                continue  # left to the logits (a non-finite row: sample_rows says so)
+                continue  # a row the screen cannot bound (a NaN, say): its logits decide, in sample_rows
             done.add(i)
             try:
                 if before_sample is not None:

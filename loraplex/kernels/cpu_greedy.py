@@ -44,7 +44,8 @@ def attach(lm_head: nn.Linear, memory_bytes: int | None = None) -> bool:
     that is not finite or beyond bf16's range), is logged."""
     weight = lm_head.weight
     if (not enabled or lm_head.bias is not None or weight.dtype != torch.float32 or weight.device.type != "cpu"
-            or not weight.is_contiguous() or getattr(lm_head, "packed_backend", None) != "avx512" or getattr(lm_head, "packed_weight", None) is None):
+            or not weight.is_contiguous() or getattr(lm_head, "packed_backend", None) != "avx512"
+            or getattr(lm_head, "packed_weight", None) is None):
         return False
     ext = cpu_ext.load()
     if ext is None or not ext.avx512_bf16_available():
@@ -67,7 +68,8 @@ def attach(lm_head: nn.Linear, memory_bytes: int | None = None) -> bool:
 
 def greedy_tokens(lm_head: nn.Linear, hidden: torch.Tensor) -> tuple[list[int], list[int]] | None:
     """hidden [B, H] -> (tokens, candidates), each a list of B ints: row b's greedy token (-1 where the row
-    is left to the caller: a NaN or Inf in it, or a norm too large to rule out overflow) and how many
+    is left to the caller: a NaN, an Inf or a value beyond bf16's range in it, or a norm too large to rule
+    out overflow) and how many
     tokens it computed in fp32. None where the screen does not run: `attach` did not give `lm_head` a
     copy, or `linear(lm_head, hidden)` would not take the packed fp32 copy whose arithmetic the recheck
     reproduces (`cpu_gemm.takes_packed`)."""
