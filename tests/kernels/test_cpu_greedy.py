@@ -130,16 +130,31 @@ def test_a_weight_or_row_beyond_bf16_s_range_is_not_screened():
     head = nn.Linear(16, 100, bias=False)
     with torch.no_grad():
         head.weight.copy_(w)
-    cpu_gemm.pack_linears([(head, "lm_head")], memory_bytes=1 << 40, name="avx512")
+    assert cpu_gemm.pack_linears([(head, "lm_head")], memory_bytes=1 << 40, name="avx512")
     assert not cpu_greedy.attach(head, memory_bytes=1 << 40)
     with pytest.raises(RuntimeError, match="beyond bf16's range"):
         ext.greedy_head_pack(w)
-    ok = _head(100, 16, gen)
+    # weights small enough that ||x|| max ||W_j|| stays far below fp32's range even with x at 3.4e38:
+    # only the check of x's own values leaves that row out
+    tiny = _head(100, 16, gen, torch.randn(100, 16, generator=gen) * 1e-5)
+    assert 3.4e38 * float(tiny.greedy_norms.max()) < 1e36
     x = torch.zeros(2, 16)
     x[0, 0] = 1.0
     x[1, 0] = 3.4e38
-    tokens, _ = cpu_greedy.greedy_tokens(ok, x)
-    assert tokens[1] == -1 and tokens[0] == _fp32_argmax(ok, x[:1])[0]
+    tokens, _ = cpu_greedy.greedy_tokens(tiny, x)
+    assert tokens == [_fp32_argmax(tiny, x[:1])[0], -1]
+
+
+def test_products_flushed_as_subnormals_are_within_the_bound():
+    """bf16(1e-39) is subnormal, so vdpbf16ps drops the product x_0 W_00 and screens token 0's logit as 0,
+    against 9e-9 for token 1; in fp32 token 0 wins (1e-8 against 9e-9). Only the bound's absolute term
+    for flushed subnormals (about 3e-7 here) keeps token 0 a candidate."""
+    x = torch.tensor([[1e31, 1e29]])
+    w = torch.tensor([[1e-39, 0.0], [0.0, 9e-38]])
+    head = _head(2, 2, torch.Generator(), w)
+    logits = cpu_gemm.linear(head, x)
+    assert logits[0, 0] > logits[0, 1] > 0
+    assert cpu_greedy.greedy_tokens(head, x)[0] == [0]
 
 
 def test_a_row_with_a_nan_inf_or_a_huge_norm_is_left_to_the_logits_and_the_others_are_not():

@@ -61,7 +61,8 @@ namespace {
 
 constexpr int64_t kNR = 48, kMR = 8;
 constexpr double kLimit = 1e36;  // ||x|| max ||W_j|| above this: the row is left to the fp32 logits
-constexpr float kBf16Max = 0x1.fep127f;  // bf16's largest finite value; beyond it, rounding gives inf
+constexpr float kBf16Max = 0x1.fep127f;  // bf16's largest finite value (from 0x1.ffp127 on, rounding gives inf;
+                                         // refusing all beyond it is the simple side of that line)
 
 int64_t num_panels(int64_t v) { return (v + kNR - 1) / kNR; }
 
@@ -280,7 +281,7 @@ std::vector<at::Tensor> greedy_head(const at::Tensor& x, const at::Tensor& packe
       ss += static_cast<double>(row[j]) * row[j];
     }
     const double xn = std::sqrt(ss);
-    ok &= xn * wmax < kLimit;
+    ok &= xn * wmax < kLimit && c * xn * (1 + 1e-6) < 1e37;  // and c ||x|| a finite float (a huge K)
     cx[i] = ok ? static_cast<float>(c * xn * (1 + 1e-6)) : -1.f;
     ax[i] = ok ? static_cast<float>(std::max(1e-30, 2 * sub * (rk * (xn + wmax) + 2 * k))) : 0.f;
     if (!ok) continue;
