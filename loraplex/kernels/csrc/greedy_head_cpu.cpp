@@ -66,12 +66,9 @@ constexpr float kBf16Max = 0x1.fep127f;  // bf16's largest finite value (from 0x
 
 int64_t num_panels(int64_t v) { return (v + kNR - 1) / kNR; }
 
-// The bits of fp32 v rounded to the nearest bf16, ties to even (finite v).
-uint32_t bf16_bits(float v) {
-  uint32_t b;
-  std::memcpy(&b, &v, 4);
-  return (b + 0x7FFF + ((b >> 16) & 1)) >> 16;
-}
+// The bits of fp32 v rounded to the nearest bf16, ties to even (c10::BFloat16's conversion, as the
+// weight's `to(bfloat16)` in greedy_head_pack).
+uint32_t bf16_bits(float v) { return c10::BFloat16(v).x; }
 
 // c of the bound above, for K terms.
 double bound_factor(int64_t k) {
@@ -223,18 +220,11 @@ at::Tensor greedy_head_pack(const at::Tensor& weight) {
               "greedy_head_pack: weight has a NaN, an Inf or a value beyond bf16's range");
   const at::Tensor w = weight.contiguous();
   const int64_t v = w.size(0), k = w.size(1), k2 = (k + 1) / 2, panels = num_panels(v);
-  at::Tensor out = at::zeros({panels, k2, kNR}, w.options().dtype(at::kInt));
-  const float* src = w.data_ptr<float>();
-  uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
-  for (int64_t j = 0; j < v; ++j) {
-    const float* row = src + j * k;
-    uint32_t* col = dst + (j / kNR) * k2 * kNR + j % kNR;
-    for (int64_t q = 0; q < k2; ++q) {
-      const uint32_t lo = bf16_bits(row[2 * q]), hi = 2 * q + 1 < k ? bf16_bits(row[2 * q + 1]) : 0;
-      col[q * kNR] = lo | (hi << 16);
-    }
-  }
-  return out;
+  // [panels x NR, 2 K2] bf16 (zeros past V and K), as [.., K2] 32-bit pairs (the even k in the low half),
+  // viewed [panels, NR, K2] and transposed: gemm_pack's layout, in pairs
+  at::Tensor padded = at::zeros({panels * kNR, 2 * k2}, w.options().dtype(at::kBFloat16));
+  padded.narrow(0, 0, v).narrow(1, 0, k).copy_(w);
+  return padded.view(at::kInt).view({panels, kNR, k2}).transpose(1, 2).contiguous();
 }
 
 // x [M, K] fp32 (rows may be strided), packed = greedy_head_pack(weight), norms [V] fp32 (each >= ||W_j||_2),
