@@ -44,13 +44,14 @@ class RMSNorm(nn.Module):
     def add_norm(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         """x += r in place (x is the residual stream), then this norm of x: x, r [T, H] -> [T, H].
 
-        fp32 on a CPU takes the compiled kernel (`kernels/csrc/norm_act_cpu.cpp`), the add and the norm in
-        one pass over each row, where PyTorch runs the add and six ops of F.rms_norm; its sum of squares
-        runs in another order, so it is within a few ulps of HF's form, not always its bits (vLLM's
+        fp32 or bf16 on a CPU takes the compiled kernel (`kernels/csrc/norm_act_cpu.cpp`), the add and the
+        norm in one pass over each row, where PyTorch runs the add and six ops of F.rms_norm (bf16: eight,
+        HF's form); its sum of squares runs in another order, so it is within a few fp32 ulps of HF's form
+        before the last rounding, not always its bits (bf16: one bf16 ulp, rarely; vLLM's
         fused_add_rms_norm likewise). Elsewhere, or where the kernel is not built (`cpu_ext` logs why), the
         add and then `forward`."""
         w = self.weight
-        ext = _fused_ext(x, r) if w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous() else None
+        ext = _fused_ext(x, r) if w.dtype == x.dtype and w.device.type == "cpu" and w.is_contiguous() else None
         if ext is not None:
             return ext.add_rms_norm(x, r, self.weight, self.eps)
         x += r
@@ -61,7 +62,7 @@ class RotaryEmbedding(nn.Module):
     """RoPE (Su et al., arXiv:2104.09864) in HF's rotate-half layout; cos/sin cached in fp32.
 
     The rows of a step's positions are gathered once per step and shared by every layer (the layers get
-    the same `positions` tensor). fp32 q/k on a CPU are rotated in place by the compiled kernel
+    the same `positions` tensor). fp32 or bf16 q/k on a CPU are rotated in place by the compiled kernel
     (`kernels/csrc/rope_cpu.cpp`, equal to the PyTorch form bit for bit); elsewhere, or where the kernel
     is not built, by PyTorch ops."""
 
@@ -89,9 +90,9 @@ class RotaryEmbedding(nn.Module):
 
     def rotate_qk_(self, positions: torch.Tensor, qk: torch.Tensor, heads: int, head_dim: int) -> bool:
         """Rotate the first `heads` heads of each row of qk [T, >= heads x D] (q's then k's columns of a
-        qkv output) in place, if the compiled kernel takes it (fp32 on a CPU); False when it does not and
-        the caller should use `forward`."""
-        if qk.dtype != torch.float32 or qk.device.type != "cpu" or qk.stride(-1) != 1:
+        qkv output) in place, if the compiled kernel takes it (fp32 or bf16 on a CPU); False when it does
+        not and the caller should use `forward`."""
+        if qk.dtype not in FUSED_DTYPES or qk.device.type != "cpu" or qk.stride(-1) != 1:
             return False
         ext = cpu_ext.load()
         if ext is None:
@@ -102,13 +103,16 @@ class RotaryEmbedding(nn.Module):
 
 
 FUSED_ELEMENTWISE = True  # residual add + RMSNorm and SiLU x up on the compiled kernel where it runs
+FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what the compiled RoPE, add + RMSNorm and SiLU x up take
 
 
 def _fused_ext(*tensors: torch.Tensor):
-    """The compiled CPU module if the fused elementwise kernels take these tensors (2-D fp32 CPU tensors
-    with contiguous, non-overlapping rows; FUSED_ELEMENTWISE on; the kernels built), else None."""
-    if not FUSED_ELEMENTWISE or any(t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2
-                                    or t.stride(-1) != 1 or t.stride(0) < t.shape[1] for t in tensors):
+    """The compiled CPU module if the fused elementwise kernels take these tensors (2-D CPU tensors of one
+    dtype, fp32 or bf16, with contiguous, non-overlapping rows; FUSED_ELEMENTWISE on; the kernels built),
+    else None."""
+    if not FUSED_ELEMENTWISE or tensors[0].dtype not in FUSED_DTYPES or any(
+            t.dtype != tensors[0].dtype or t.device.type != "cpu" or t.dim() != 2
+            or t.stride(-1) != 1 or t.stride(0) < t.shape[1] for t in tensors):
         return None
     return cpu_ext.load()
 

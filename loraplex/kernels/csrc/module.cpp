@@ -43,9 +43,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("tiles"), py::arg("block_size"), py::arg("scale"), py::arg("k") = py::none(),
         py::arg("v") = py::none(), py::arg("slot_mapping") = py::none());
-  m.def("rope_inplace", &rope_inplace, "RoPE in place on the first heads of each row, fp32 (see rope_cpu.cpp)");
-  m.def("add_rms_norm", &add_rms_norm, "x += r in place, then RMSNorm of x, fp32 (see norm_act_cpu.cpp)");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up output, fp32 (see norm_act_cpu.cpp)");
+  m.def("rope_inplace", &rope_inplace, "RoPE in place on the first heads of each row, fp32 or bf16 (see rope_cpu.cpp)");
+  m.def("add_rms_norm", &add_rms_norm, "x += r in place, then RMSNorm of x, fp32 or bf16 (see norm_act_cpu.cpp)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up output, fp32 or bf16 (see norm_act_cpu.cpp)");
   m.def("gemm_floats", &gemm_floats, "Floats of gemm_pack's result for an [N, K] weight and isa (avx2 or avx512)",
         py::arg("n"), py::arg("k"), py::arg("isa"));
   m.def("gemm_pack", &gemm_pack,

@@ -1,8 +1,8 @@
-// The decoder's elementwise chains in one pass each, fp32 on the CPU (vLLM's fused_add_rms_norm and
-// silu_and_mul do the same on the GPU). Letters: T rows, H hidden, I intermediate.
+// The decoder's elementwise chains in one pass each, fp32 or bf16 on the CPU (vLLM's fused_add_rms_norm
+// and silu_and_mul do the same on the GPU). Letters: T rows, H hidden, I intermediate.
 //
 //   add_rms_norm: x [T, H] += r [T, H] (in place: the residual stream), then
-//                 out [T, H] = x / sqrt(mean(x^2) + eps) * w [H]            (HF's LlamaRMSNorm, fp32)
+//                 out [T, H] = x / sqrt(mean(x^2) + eps) * w [H]            (HF's LlamaRMSNorm)
 //   silu_mul:     out [T, I] = silu(gu[:, :I]) * gu[:, I:2I], silu(g) = g / (1 + exp(-g))
 //
 // PyTorch runs the first as an add and F.rms_norm, which this build decomposes into pow, mean, add, rsqrt
@@ -12,6 +12,11 @@
 // GCC, the compiler scripts/install finds, honours); what can differ is the order in which the squares
 // are summed (16 partial sums here) and exp (Cephes' expf, within 1 ulp, where PyTorch takes Sleef's),
 // so results are within a few ulps of PyTorch's, not always its bits (tested against fp64).
+//
+// bf16 rows are rounded where HF's bf16 forms round (each PyTorch bf16 op computes in fp32 and rounds its
+// result): the residual sum; the norm in fp32, rounded, then times the weight and rounded again
+// (`weight * x.to(bf16)`); silu rounded, then times up and rounded. So a bf16 result can differ from
+// PyTorch's only where the fp32 value before a rounding differs, by one bf16 ulp (tested).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -19,14 +24,24 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
+using loraplex_attention::vec::as_stored;
 using loraplex_attention::vec::exp_nonpositive;
 using loraplex_attention::vec::kLanes;
 using loraplex_attention::vec::load;
+using loraplex_attention::vec::store;
 using loraplex_attention::vec::VecOf;
 using loraplex_attention::vec::wide;
+
+// A scalar as the storage type T holds it (the vector loops' tails): fp32 itself, bf16 rounded.
+template <typename T>
+inline float stored(float x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return static_cast<float>(c10::BFloat16(x));
+}
 
 // Both loops run on vectors of W lanes: 16 with AVX-512, 8 with AVX2 (paged_vec.h says why); the sum of
 // squares keeps 16 running sums either way (two vectors of 8 with AVX2), added in the same order, so
@@ -35,21 +50,21 @@ using loraplex_attention::vec::wide;
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 
-template <int W>
-LORAPLEX_CLONES void add_rms_norm_rows(float* x, const float* r, const float* w, float* out, int64_t begin,
-                                       int64_t end, int64_t H, int64_t x_row, int64_t r_row, float eps) {
+template <int W, typename T>
+LORAPLEX_CLONES void add_rms_norm_rows(T* x, const T* r, const T* w, T* out, int64_t begin, int64_t end,
+                                       int64_t H, int64_t x_row, int64_t r_row, float eps) {
   using V = typename VecOf<W>::f;
   constexpr int P = kLanes / W;  // vectors per 16 floats
   const int64_t Hv = H / kLanes * kLanes;
   for (int64_t t = begin; t < end; ++t) {
-    float* xt = x + t * x_row;
-    const float* rt = r + t * r_row;
-    float* ot = out + t * H;
+    T* xt = x + t * x_row;
+    const T* rt = r + t * r_row;
+    T* ot = out + t * H;
     V acc[P] = {};
     for (int64_t i = 0; i < Hv; i += kLanes) {
       for (int k = 0; k < P; ++k) {
-        const V v = load<W>(xt + i + k * W) + load<W>(rt + i + k * W);
-        std::memcpy(xt + i + k * W, &v, sizeof v);
+        const V v = as_stored<T>(load<W>(xt + i + k * W) + load<W>(rt + i + k * W));
+        store<W>(xt + i + k * W, v);
         acc[k] += v * v;
       }
     }
@@ -57,15 +72,15 @@ LORAPLEX_CLONES void add_rms_norm_rows(float* x, const float* r, const float* w,
     for (int k = 0; k < P; ++k)
       for (int j = 0; j < W; ++j) ss += acc[k][j];
     for (int64_t i = Hv; i < H; ++i) {
-      xt[i] += rt[i];
-      ss += xt[i] * xt[i];
+      const float v = stored<T>(static_cast<float>(xt[i]) + static_cast<float>(rt[i]));
+      xt[i] = static_cast<T>(v);
+      ss += v * v;
     }
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);  // torch.rsqrt's 1 / sqrt
-    for (int64_t i = 0; i < Hv; i += W) {
-      const V y = (load<W>(xt + i) * inv) * load<W>(w + i);
-      std::memcpy(ot + i, &y, sizeof y);
-    }
-    for (int64_t i = Hv; i < H; ++i) ot[i] = (xt[i] * inv) * w[i];
+    for (int64_t i = 0; i < Hv; i += W)
+      store<W>(ot + i, as_stored<T>(as_stored<T>(load<W>(xt + i) * inv) * load<W>(w + i)));
+    for (int64_t i = Hv; i < H; ++i)
+      ot[i] = static_cast<T>(stored<T>(stored<T>(static_cast<float>(xt[i]) * inv) * static_cast<float>(w[i])));
   }
 }
 
@@ -73,22 +88,24 @@ LORAPLEX_CLONES void add_rms_norm_rows(float* x, const float* r, const float* w,
 // g >= 0, PyTorch's own expression there; (g x e) / (1 + e) below, where PyTorch's exp(-g) can overflow
 // to inf (its quotient is then -0). exp_nonpositive flushes below -87.3, so g < -87.3 gives -0 here where
 // PyTorch gives down to about -1e-36 (an absolute difference under 1e-35). NaN stays NaN.
-template <int W>
-LORAPLEX_CLONES void silu_mul_span(const float* g, const float* u, float* o, int64_t I) {
+template <int W, typename T>
+LORAPLEX_CLONES void silu_mul_span(const T* g, const T* u, T* o, int64_t I) {
   using V = typename VecOf<W>::f;
   const int64_t Iv = I / kLanes * kLanes;  // the same tail as with 16 lanes
   for (int64_t i = 0; i < Iv; i += W) {
     const V gv = load<W>(g + i);
     const V e = exp_nonpositive(gv < 0.f ? gv : -gv);
     const V num = gv >= 0.f ? gv : gv * e;
-    const V y = (num / (e + 1.f)) * load<W>(u + i);
-    std::memcpy(o + i, &y, sizeof y);
+    store<W>(o + i, as_stored<T>(as_stored<T>(num / (e + 1.f)) * load<W>(u + i)));
   }
-  for (int64_t i = Iv; i < I; ++i) o[i] = (g[i] / (1.f + std::exp(-g[i]))) * u[i];
+  for (int64_t i = Iv; i < I; ++i) {
+    const float gi = static_cast<float>(g[i]);
+    o[i] = static_cast<T>(stored<T>(stored<T>(gi / (1.f + std::exp(-gi))) * static_cast<float>(u[i])));
+  }
 }
 
-template <int W>
-void silu_mul_rows(const float* gu, float* out, int64_t begin, int64_t end, int64_t I, int64_t gu_row) {
+template <int W, typename T>
+void silu_mul_rows(const T* gu, T* out, int64_t begin, int64_t end, int64_t I, int64_t gu_row) {
   for (int64_t t = begin; t < end; ++t) silu_mul_span<W>(gu + t * gu_row, gu + t * gu_row + I, out + t * I, I);
 }
 #pragma GCC pop_options
@@ -105,8 +122,16 @@ void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
 namespace {
 
 void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.device().is_cpu() && t.stride(1) == 1,
-              name, " must be a 2-D fp32 CPU tensor with contiguous rows");
+  TORCH_CHECK(t.dim() == 2 && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) &&
+                  t.device().is_cpu() && t.stride(1) == 1,
+              name, " must be a 2-D fp32 or bf16 CPU tensor with contiguous rows");
+}
+
+// Calls f(T{}) with T the C++ type of `dtype` (fp32 or bf16; check_rows let nothing else through).
+template <typename F>
+void with_storage(at::ScalarType dtype, F&& f) {
+  if (dtype == at::kFloat) f(float{});
+  else f(c10::BFloat16{});
 }
 
 }  // namespace
@@ -117,18 +142,22 @@ at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& r, const at::Tensor& wei
   const int64_t T = x.size(0), H = x.size(1);
   TORCH_CHECK(r.size(0) == T && r.size(1) == H, "add_rms_norm: r must have x's shape");
   TORCH_CHECK(T <= 1 || x.stride(0) >= H, "add_rms_norm: x is written in place, so its rows must not overlap");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H && weight.is_contiguous() &&
-                  weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
-              "add_rms_norm: weight must be a contiguous fp32 CPU [H]");
+  TORCH_CHECK(r.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
+              "add_rms_norm: x, r and weight must have one dtype");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H && weight.is_contiguous() && weight.device().is_cpu(),
+              "add_rms_norm: weight must be a contiguous CPU [H]");
   at::Tensor out = at::empty({T, H}, x.options());
-  float* px = x.data_ptr<float>();
-  const float* pr = r.data_ptr<float>();
-  const float* pw = weight.data_ptr<float>();
-  float* po = out.data_ptr<float>();
   const int64_t xs = x.stride(0), rs = r.stride(0);
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    if (wide()) add_rms_norm_rows<16>(px, pr, pw, po, begin, end, H, xs, rs, static_cast<float>(eps));
-    else add_rms_norm_rows<8>(px, pr, pw, po, begin, end, H, xs, rs, static_cast<float>(eps));
+  with_storage(x.scalar_type(), [&](auto zero) {
+    using S = decltype(zero);
+    S* px = x.data_ptr<S>();
+    const S* pr = r.data_ptr<S>();
+    const S* pw = weight.data_ptr<S>();
+    S* po = out.data_ptr<S>();
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      if (wide()) add_rms_norm_rows<16>(px, pr, pw, po, begin, end, H, xs, rs, static_cast<float>(eps));
+      else add_rms_norm_rows<8>(px, pr, pw, po, begin, end, H, xs, rs, static_cast<float>(eps));
+    });
   });
   return out;
 }
@@ -138,12 +167,15 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: gate_up must have an even number of columns");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
   at::Tensor out = at::empty({T, I}, gate_up.options());
-  const float* pg = gate_up.data_ptr<float>();
-  float* po = out.data_ptr<float>();
   const int64_t gs = gate_up.stride(0);
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    if (wide()) silu_mul_rows<16>(pg, po, begin, end, I, gs);
-    else silu_mul_rows<8>(pg, po, begin, end, I, gs);
+  with_storage(gate_up.scalar_type(), [&](auto zero) {
+    using S = decltype(zero);
+    const S* pg = gate_up.data_ptr<S>();
+    S* po = out.data_ptr<S>();
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      if (wide()) silu_mul_rows<16>(pg, po, begin, end, I, gs);
+      else silu_mul_rows<8>(pg, po, begin, end, I, gs);
+    });
   });
   return out;
 }

@@ -74,6 +74,35 @@ LORAPLEX_INLINE typename VecOf<W>::f load(const c10::BFloat16* p) {  // bf16 is 
   return reinterpret_cast<typename VecOf<W>::f>(__builtin_convertvector(h, typename VecOf<W>::u) << 16);
 }
 
+// v's lanes rounded to bf16 and widened back to fp32: round to nearest even, NaN to 0x7FC0, as
+// c10::BFloat16's conversion (so a PyTorch bf16 op's result is the fp32 op's result through this).
+template <typename V>
+LORAPLEX_INLINE V round_bf16(V v) {
+  using U = typename VecOf<lanes_of<V>()>::u;
+  const U u = reinterpret_cast<U>(v);
+  const U rounded = (u + (((u >> 16) & 1u) + 0x7FFFu)) & 0xFFFF0000u;
+  return reinterpret_cast<V>(v == v ? rounded : U{} + 0x7FC00000u);
+}
+
+// v as the storage type T holds it: itself for fp32, round_bf16 for bf16.
+template <typename T, typename V>
+LORAPLEX_INLINE V as_stored(V v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return round_bf16(v);
+}
+
+// Stores v's W lanes at p: fp32 as they are; bf16 rounded (round_bf16) to their top 16 bits.
+template <int W>
+LORAPLEX_INLINE void store(float* p, typename VecOf<W>::f v) { std::memcpy(p, &v, sizeof v); }
+
+template <int W>
+LORAPLEX_INLINE void store(c10::BFloat16* p, typename VecOf<W>::f v) {
+  using U = typename VecOf<W>::u;
+  const typename VecOf<W>::h h =
+      __builtin_convertvector(reinterpret_cast<U>(round_bf16(v)) >> 16, typename VecOf<W>::h);
+  std::memcpy(p, &h, sizeof h);
+}
+
 template <typename V>
 LORAPLEX_INLINE V splat(float x) { return V{} + x; }
 
