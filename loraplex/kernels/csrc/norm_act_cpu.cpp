@@ -16,7 +16,10 @@
 // bf16 rows are rounded where HF's bf16 forms round (each PyTorch bf16 op computes in fp32 and rounds its
 // result): the residual sum; the norm in fp32, rounded, then times the weight and rounded again
 // (`weight * x.to(bf16)`); silu rounded, then times up and rounded. So a bf16 result can differ from
-// PyTorch's only where the fp32 value before a rounding differs, by one bf16 ulp (tested).
+// PyTorch's only where the fp32 value before a rounding differs: a flip of the norm's rounding, then
+// times a weight of mantissa above 1, is up to two bf16 ulps of the product (about one element in three
+// million on random rows; tested). NaN is stored as 0x7FC0 (c10's conversion; PyTorch's vector ops may
+// store another NaN).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -31,6 +34,7 @@ namespace {
 using loraplex_attention::vec::as_stored;
 using loraplex_attention::vec::exp_nonpositive;
 using loraplex_attention::vec::kLanes;
+using loraplex_attention::vec::lanes_of;
 using loraplex_attention::vec::load;
 using loraplex_attention::vec::store;
 using loraplex_attention::vec::VecOf;
@@ -86,8 +90,24 @@ LORAPLEX_CLONES void add_rms_norm_rows(T* x, const T* r, const T* w, T* out, int
 
 // silu(g) from e = exp(-|g|) <= 1 (exp of a non-positive number, never overflowing): g / (1 + e) for
 // g >= 0, PyTorch's own expression there; (g x e) / (1 + e) below, where PyTorch's exp(-g) can overflow
-// to inf (its quotient is then -0). exp_nonpositive flushes below -87.3, so g < -87.3 gives -0 here where
-// PyTorch gives down to about -1e-36 (an absolute difference under 1e-35). NaN stays NaN.
+// to inf (its quotient is then -0, as here). exp_nonpositive flushes below -87.3, where exp(g) is no
+// longer a normal float but PyTorch's g / exp(-g) still is (down to -2.6e-37, and up may be as large as
+// 3e38): there, while exp(-g) is finite (g >= kSiluFloor), silu(g) = g x y x 2^n with exp(g) = y x 2^n
+// from exp_reduced, the power of two applied in two exact steps. NaN stays NaN, -inf gives NaN (as
+// PyTorch's -inf / inf).
+constexpr float kSiluFloor = -88.72283172607421875f;  // the least float g with exp(-g) finite in fp32
+
+template <typename V>
+LORAPLEX_INLINE V silu_below_flush(V g) {
+  using I = typename VecOf<lanes_of<V>()>::i;
+  V n;
+  const V y = loraplex_attention::exp_reduced(g, n);  // n in [-128, -126] on [kSiluFloor, -87.3)
+  const V m = n + 64.f;
+  const V lanes = m >= -126.f && m <= 127.f ? m : V{};  // other lanes are not taken (NaN: 0)
+  const V p = reinterpret_cast<V>((__builtin_convertvector(lanes, I) + 127) << 23);  // 2^(n + 64)
+  return ((g * y) * p) * 0x1p-64f;
+}
+
 template <int W, typename T>
 LORAPLEX_CLONES void silu_mul_span(const T* g, const T* u, T* o, int64_t I) {
   using V = typename VecOf<W>::f;
@@ -96,7 +116,8 @@ LORAPLEX_CLONES void silu_mul_span(const T* g, const T* u, T* o, int64_t I) {
     const V gv = load<W>(g + i);
     const V e = exp_nonpositive(gv < 0.f ? gv : -gv);
     const V num = gv >= 0.f ? gv : gv * e;
-    store<W>(o + i, as_stored<T>(as_stored<T>(num / (e + 1.f)) * load<W>(u + i)));
+    const V silu = gv < -87.3f && gv >= kSiluFloor ? silu_below_flush(gv) : num / (e + 1.f);
+    store<W>(o + i, as_stored<T>(as_stored<T>(silu) * load<W>(u + i)));
   }
   for (int64_t i = Iv; i < I; ++i) {
     const float gi = static_cast<float>(g[i]);

@@ -75,7 +75,8 @@ LORAPLEX_INLINE typename VecOf<W>::f load(const c10::BFloat16* p) {  // bf16 is 
 }
 
 // v's lanes rounded to bf16 and widened back to fp32: round to nearest even, NaN to 0x7FC0, as
-// c10::BFloat16's conversion (so a PyTorch bf16 op's result is the fp32 op's result through this).
+// c10::BFloat16's conversion (so a PyTorch bf16 op's result is the fp32 op's result through this, but
+// for the bits of a NaN: PyTorch's vectorized ops may give 0xFFFF).
 template <typename V>
 LORAPLEX_INLINE V round_bf16(V v) {
   using U = typename VecOf<lanes_of<V>()>::u;

@@ -47,13 +47,13 @@ using loraplex_attention::vec::VecOf;
 
 inline float bf16_round(float x) { return static_cast<float>(c10::BFloat16(x)); }
 
-// bf16 rows on vectors of W lanes where D / 2 is a multiple of W, else one value at a time.
+// bf16 rows on vectors of W lanes, the last D / 2 mod W columns of each half one value at a time.
 template <int W>
 LORAPLEX_CLONES void rope_rows_bf16(c10::BFloat16* x, int64_t row_stride, const c10::BFloat16* cos,
                                     const c10::BFloat16* sin, int64_t begin, int64_t end, int64_t heads,
                                     int64_t D) {
   using V = typename VecOf<W>::f;
-  const int64_t half = D / 2, hv = half % W == 0 ? half : 0;
+  const int64_t half = D / 2, hv = half / W * W;
   for (int64_t t = begin; t < end; ++t) {
     const c10::BFloat16* c = cos + t * D;
     const c10::BFloat16* s = sin + t * D;
@@ -83,6 +83,8 @@ void rope_inplace(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, in
               "rope_inplace: x must be a 2-D fp32 or bf16 CPU tensor with contiguous rows");
   TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && heads >= 0 && heads * head_dim <= x.size(1),
               "rope_inplace: ", heads, " heads of ", head_dim, " do not fit rows of ", x.size(1));
+  TORCH_CHECK(x.size(0) <= 1 || x.stride(0) >= heads * head_dim,
+              "rope_inplace: x is rotated in place, so its rows must not overlap");
   for (const auto* t : {&cos, &sin})
     TORCH_CHECK(t->dim() == 2 && t->size(0) == x.size(0) && t->size(1) == head_dim && t->is_contiguous() &&
                     t->scalar_type() == x.scalar_type(),
