@@ -101,17 +101,22 @@ def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).abs() / spacing.double()).max().item()
 
 
+def _norm_and_rows(rows: int, hidden: int, seed: int) -> tuple[RMSNorm, torch.Tensor, torch.Tensor]:
+    """An fp32 RMSNorm with a random weight, and x [rows, hidden] (scaled by 4) and r to add to it."""
+    if cpu_ext.load() is None:
+        pytest.fail("the CPU kernels must build here (CI has a compiler)")
+    gen = torch.Generator().manual_seed(seed)
+    norm = RMSNorm(hidden, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=gen))
+    return norm, torch.randn(rows, hidden, generator=gen) * 4, torch.randn(rows, hidden, generator=gen)
+
+
 @pytest.mark.parametrize("rows,hidden", [(1, 576), (37, 576), (5, 40)])  # 40: a tail past the 16-lane vectors
 def test_fused_add_rms_norm_adds_in_place_and_is_within_ulps_of_fp64(rows, hidden):
     """x += r is PyTorch's own sum bit for bit; the norm after it is within 3 ulps of fp64 (the sum of
     squares runs in another order than PyTorch's, so bits may differ) and of F.rms_norm."""
-    if cpu_ext.load() is None:
-        pytest.fail("the CPU kernels must build here (CI has a compiler)")
-    gen = torch.Generator().manual_seed(3)
-    norm = RMSNorm(hidden, 1e-5)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(hidden, generator=gen))
-    x, r = torch.randn(rows, hidden, generator=gen) * 4, torch.randn(rows, hidden, generator=gen)
+    norm, x, r = _norm_and_rows(rows, hidden, seed=3)
     want_x = x + r
     xd = want_x.double()
     want = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
@@ -142,15 +147,8 @@ def test_bf16_fused_add_rms_norm_rounds_where_hf_rounds(rows, hidden):
     """bf16: x += r is PyTorch's bf16 sum bit for bit; the norm equals HF's bf16 form but where the fp32
     value before a rounding differs in its last bits (the sum of squares' order): one bf16 ulp of the
     normalized value, times a weight of mantissa up to 2, so up to two of the product."""
-    if cpu_ext.load() is None:
-        pytest.fail("the CPU kernels must build here (CI has a compiler)")
-    gen = torch.Generator().manual_seed(6)
-    norm = RMSNorm(hidden, 1e-5)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(hidden, generator=gen))
-    norm = norm.bfloat16()
-    x = (torch.randn(rows, hidden, generator=gen) * 4).bfloat16()
-    r = torch.randn(rows, hidden, generator=gen).bfloat16()
+    norm, x, r = _norm_and_rows(rows, hidden, seed=6)
+    norm, x, r = norm.bfloat16(), x.bfloat16(), r.bfloat16()
     want_x = x + r
     want = hf_rms_norm(want_x, norm.weight, 1e-5)
     from loraplex.engine import model
