@@ -48,8 +48,8 @@ class RMSNorm(nn.Module):
         fp32 or bf16 on a CPU takes the compiled kernel (`kernels/csrc/norm_act_cpu.cpp`), the add and the
         norm in one pass over each row, where PyTorch runs the add and six ops of F.rms_norm (bf16: eight,
         HF's form); its sum of squares runs in another order, so it is within a few fp32 ulps of HF's form,
-        not always its bits (bf16: rarely, up to two bf16 ulps; vLLM's fused_add_rms_norm likewise). Elsewhere, or where the kernel is not built (`cpu_ext` logs why), the
-        add and then `forward`."""
+        not always its bits (bf16: rarely, up to two bf16 ulps; vLLM's fused_add_rms_norm likewise).
+        Elsewhere, or where the kernel is not built (`cpu_ext` logs why), the add and then `forward`."""
         w = self.weight
         ext = _fused_ext(x, r) if w.dtype == x.dtype and w.device.type == "cpu" and w.is_contiguous() else None
         if ext is not None:
