@@ -32,7 +32,6 @@
 namespace {
 
 using loraplex_attention::vec::as_stored;
-using loraplex_attention::vec::exp_nonpositive;
 using loraplex_attention::vec::kLanes;
 using loraplex_attention::vec::lanes_of;
 using loraplex_attention::vec::load;
@@ -97,15 +96,12 @@ LORAPLEX_CLONES void add_rms_norm_rows(T* x, const T* r, const T* w, T* out, int
 // PyTorch's -inf / inf).
 constexpr float kSiluFloor = -88.72283172607421875f;  // the least float g with exp(-g) finite in fp32
 
+// 2^k for whole k in [-126, 127] (lanes outside it are not taken: they give 2^0 here)
 template <typename V>
-LORAPLEX_INLINE V silu_below_flush(V g) {
+LORAPLEX_INLINE V pow2(V k) {
   using I = typename VecOf<lanes_of<V>()>::i;
-  V n;
-  const V y = loraplex_attention::exp_reduced(g, n);  // n in [-128, -126] on [kSiluFloor, -87.3)
-  const V m = n + 64.f;
-  const V lanes = m >= -126.f && m <= 127.f ? m : V{};  // other lanes are not taken (NaN: 0)
-  const V p = reinterpret_cast<V>((__builtin_convertvector(lanes, I) + 127) << 23);  // 2^(n + 64)
-  return ((g * y) * p) * 0x1p-64f;
+  const V whole = k >= -126.f && k <= 127.f ? k : V{};
+  return reinterpret_cast<V>((__builtin_convertvector(whole, I) + 127) << 23);
 }
 
 template <int W, typename T>
@@ -114,9 +110,14 @@ LORAPLEX_CLONES void silu_mul_span(const T* g, const T* u, T* o, int64_t I) {
   const int64_t Iv = I / kLanes * kLanes;  // the same tail as with 16 lanes
   for (int64_t i = 0; i < Iv; i += W) {
     const V gv = load<W>(g + i);
-    const V e = exp_nonpositive(gv < 0.f ? gv : -gv);
+    const V a = gv < 0.f ? gv : -gv;
+    V n;
+    const V y = loraplex_attention::exp_reduced(a, n);  // exp(a) = y x 2^n
+    // exp_nonpositive(a), from the same y and n
+    const V e = a < -87.3f ? V{} : y * pow2(n >= -126.f ? n : V{} - 126.f);
     const V num = gv >= 0.f ? gv : gv * e;
-    const V silu = gv < -87.3f && gv >= kSiluFloor ? silu_below_flush(gv) : num / (e + 1.f);
+    // below the flush point n is in [-128, -126]: g x y x 2^n in two exact steps
+    const V silu = gv < -87.3f && gv >= kSiluFloor ? ((gv * y) * pow2(n + 64.f)) * 0x1p-64f : num / (e + 1.f);
     store<W>(o + i, as_stored<T>(as_stored<T>(silu) * load<W>(u + i)));
   }
   for (int64_t i = Iv; i < I; ++i) {
