@@ -1,5 +1,11 @@
 // The CPU extension's Python module: the functions of bgmv_cpu.cpp, paged_attention_cpu.cpp,
 // packed_gemm_cpu.cpp, gemm_cpu.cpp, greedy_head_cpu.cpp, rope_cpu.cpp and norm_act_cpu.cpp.
+//
+// Every function that computes on tensors runs without the GIL (NOGIL below; bgmv and paged_attention let
+// it go themselves, after their checks): under `loraplex serve` the engine thread shares its process with
+// the server's event loop, which would otherwise wait out each kernel before it could read a request or
+// write a token's SSE event. Arguments are converted and results returned with the GIL held; an error
+// (TORCH_CHECK) takes it back before it becomes a Python exception.
 #include <torch/extension.h>
 
 #include <string>
@@ -32,6 +38,7 @@ at::Tensor packed_gemm_linear(const at::Tensor& x, const at::Tensor& packed, int
                               const c10::optional<at::Tensor>& bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const auto NOGIL = py::call_guard<py::gil_scoped_release>();
   m.def("bgmv", &bgmv, "Multi-adapter LoRA, one adapter per row, in place on y (see bgmv_cpu.cpp)");
   m.def("avx512_available", &avx512_available, "Whether this CPU runs the AVX-512 path");
   m.def("bgmv_lanes", &bgmv_lanes, "The lanes of the path bgmv takes for fp32 or not, capped at max_lanes: 16, 8 or 0");
@@ -43,27 +50,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("tiles"), py::arg("block_size"), py::arg("scale"), py::arg("k") = py::none(),
         py::arg("v") = py::none(), py::arg("slot_mapping") = py::none());
-  m.def("rope_inplace", &rope_inplace, "RoPE in place on the first heads of each row, fp32 or bf16 (see rope_cpu.cpp)");
-  m.def("add_rms_norm", &add_rms_norm, "x += r in place, then RMSNorm of x, fp32 or bf16 (see norm_act_cpu.cpp)");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up output, fp32 or bf16 (see norm_act_cpu.cpp)");
+  m.def("rope_inplace", &rope_inplace, NOGIL, "RoPE in place on the first heads of each row, fp32 or bf16 (see rope_cpu.cpp)");
+  m.def("add_rms_norm", &add_rms_norm, NOGIL, "x += r in place, then RMSNorm of x, fp32 or bf16 (see norm_act_cpu.cpp)");
+  m.def("silu_mul", &silu_mul, NOGIL, "silu(gate) * up of a fused [T, 2I] gate/up output, fp32 or bf16 (see norm_act_cpu.cpp)");
   m.def("gemm_floats", &gemm_floats, "Floats of gemm_pack's result for an [N, K] weight and isa (avx2 or avx512)",
         py::arg("n"), py::arg("k"), py::arg("isa"));
-  m.def("gemm_pack", &gemm_pack,
+  m.def("gemm_pack", &gemm_pack, NOGIL,
         "An fp32 [N, K] weight packed in panels for gemm_linear's isa (avx2 or avx512); glu = I: a [gate; up] "
         "weight with its panels interleaved",
         py::arg("weight"), py::arg("isa"), py::arg("glu") = 0);
-  m.def("gemm_linear", &gemm_linear,
+  m.def("gemm_linear", &gemm_linear, NOGIL,
         "x @ weight^T (+ bias) on a weight packed for isa; act (glu only): silu(gate) x up (see gemm_cpu.cpp)",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("isa"), py::arg("bias") = py::none(),
         py::arg("glu") = 0, py::arg("act") = false);
-  m.def("greedy_head_pack", &greedy_head_pack, "An fp32 [V, K] lm_head weight as bf16 pairs in greedy_head's panels");
-  m.def("greedy_head", &greedy_head,
+  m.def("greedy_head_pack", &greedy_head_pack, NOGIL, "An fp32 [V, K] lm_head weight as bf16 pairs in greedy_head's panels");
+  m.def("greedy_head", &greedy_head, NOGIL,
         "(tokens, candidates): each row's argmax of x @ weight^T by a bf16 screen and an exact fp32 recheck, "
         "-1 where the row is left to the caller (see greedy_head_cpu.cpp)",
         py::arg("x"), py::arg("packed"), py::arg("norms"), py::arg("weight"));
   m.def("packed_gemm_available", &packed_gemm_available, "Whether this PyTorch's MKL has the packed GEMM");
-  m.def("packed_gemm_pack", &packed_gemm_pack, "An fp32 [N, K] weight packed for packed_gemm_linear");
+  m.def("packed_gemm_pack", &packed_gemm_pack, NOGIL, "An fp32 [N, K] weight packed for packed_gemm_linear");
   m.def("packed_gemm_bytes", &packed_gemm_bytes, "Bytes of a packed [N, K] weight");
-  m.def("packed_gemm_linear", &packed_gemm_linear, "x @ weight^T (+ bias) on a packed weight (see packed_gemm_cpu.cpp)",
+  m.def("packed_gemm_linear", &packed_gemm_linear, NOGIL, "x @ weight^T (+ bias) on a packed weight (see packed_gemm_cpu.cpp)",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
 }

@@ -1,0 +1,112 @@
+"""The CPU extension's kernels run without the GIL: under `loraplex serve` the engine thread shares its
+process with the server's event loop, which must go on reading requests and writing SSE events while a
+kernel computes (`kernels/csrc/module.cpp`).
+
+How it is told: a second Python thread counts while the test thread calls a kernel in a loop, with the
+interpreter's switch interval raised to 10 s, so that the test thread never hands the GIL over by itself
+between calls. A kernel that keeps the GIL leaves the count where it was, exactly; one that lets it go
+lets the counter run."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from loraplex.engine.model import RotaryEmbedding
+from loraplex.kernels import cpu_ext
+from loraplex.kernels.cpu_greedy import norms_rounded_up
+
+
+def _counts_during(fn, seconds: float = 0.2, batch: int = 8) -> int:
+    """How many times a second Python thread counted while `fn` computed, called in batches for `seconds`.
+    Freeing a result tensor lets the GIL go for a moment (whatever made it): counts then are not `fn`'s, so
+    each batch's results are freed outside the counted window."""
+    count, stop = 0, False
+
+    def counter() -> None:
+        nonlocal count
+        while not stop:
+            time.sleep(0.0005)  # lets the GIL go; it needs it back to count
+            count += 1
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(10.0)
+    thread = threading.Thread(target=counter, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.01)
+        fn()  # first call: allocations, lazy set-up
+        counted, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            before = count
+            results = [fn() for _ in range(batch)]
+            counted += count - before
+            del results
+        return counted
+    finally:
+        stop = True
+        thread.join()
+        sys.setswitchinterval(old)
+
+
+def _ext():
+    ext = cpu_ext.load()
+    if ext is None:
+        pytest.fail("the CPU kernels must build here (CI has a compiler)")
+    return ext
+
+
+def _isa(ext) -> str:
+    if ext.avx512_available():
+        return "avx512"
+    if ext.avx2_available():
+        return "avx2"
+    pytest.skip("our GEMM needs AVX2 + FMA or AVX-512")
+
+
+def _case(name: str):
+    """The kernel `name` on inputs that keep it busy for a millisecond or more."""
+    ext, gen = _ext(), torch.Generator().manual_seed(0)
+    if name == "add_rms_norm":
+        x, r, w = torch.randn(512, 2048, generator=gen), torch.randn(512, 2048, generator=gen), torch.ones(2048)
+        return lambda: ext.add_rms_norm(x, r, w, 1e-5)
+    if name == "silu_mul":
+        gate_up = torch.randn(512, 4096, generator=gen)
+        return lambda: ext.silu_mul(gate_up)
+    if name == "rope_inplace":
+        rope, positions = RotaryEmbedding(64, 4096, 10000.0), torch.arange(2048)
+        x, cos, sin = torch.randn(2048, 12 * 64, generator=gen), rope.cos[positions], rope.sin[positions]
+        return lambda: ext.rope_inplace(x, cos, sin, 12, 64)
+    x, weight = torch.randn(256, 1024, generator=gen), torch.randn(1024, 1024, generator=gen)
+    if name == "gemm_linear":
+        isa = _isa(ext)
+        packed = ext.gemm_pack(weight, isa)
+        return lambda: ext.gemm_linear(x, packed, 1024, isa)
+    if name == "packed_gemm_linear":
+        if not ext.packed_gemm_available():
+            pytest.skip("this PyTorch's MKL has no packed GEMM")
+        packed = ext.packed_gemm_pack(weight)
+        return lambda: ext.packed_gemm_linear(x, packed, 1024)
+    if name == "greedy_head":
+        if not (ext.avx512_available() and ext.avx512_bf16_available()):
+            pytest.skip("the lm_head's bf16 screen needs AVX-512 with bf16")
+        head = torch.randn(8192, 576, generator=gen) * 0.05
+        packed, norms, rows = ext.greedy_head_pack(head), norms_rounded_up(head), torch.randn(64, 576, generator=gen)
+        return lambda: ext.greedy_head(rows, packed, norms, head)
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("name", ["add_rms_norm", "silu_mul", "rope_inplace", "gemm_linear", "packed_gemm_linear",
+                                  "greedy_head"])
+def test_kernel_lets_other_python_threads_run(name):
+    fn = _case(name)
+    assert _counts_during(fn) > 0, f"{name} keeps the GIL while it computes"
+
+
+def test_the_probe_tells_a_call_that_keeps_the_gil():
+    """The probe itself: a loop of pure Python calls never lets the counter run."""
+    assert _counts_during(lambda: sum(range(1000))) == 0
