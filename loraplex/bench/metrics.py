@@ -78,6 +78,10 @@ class RunStats:
     adapter_misses: int | None = None
     num_preemptions: int | None = None
     step_log: list[list[float]] = field(default_factory=list)  # vLLM: per step [s, rows with a token, firsts]
+    # CPU seconds (user + system, all threads) over the timed run: the serving process's (the in-process
+    # engine's, or the `loraplex serve` subprocess's) and the HTTP client's; None where not measured
+    server_cpu_s: float | None = None
+    client_cpu_s: float | None = None
 
     @property
     def mean_batch_size(self) -> float | None:

@@ -18,7 +18,7 @@ NAMES = {
     "static": "loraplex, static batching (admits a new batch when the last is done)",
     "peft": "transformers + PEFT generate(adapter_names)",
     "base": "loraplex, base model only",
-    "http": "loraplex over HTTP (openai client, streaming)",
+    "http": "loraplex over HTTP (openai client on aiohttp, streaming)",
     "vllm": "vLLM (enable_lora, one LoRARequest per adapter)",
     "vllm-base": "vLLM, base model only (LoRA off)",
 }
@@ -105,6 +105,30 @@ def ratio_table(main: dict[str, Summary]) -> list[str]:
                          f"{_ratio(x.output_tokens_per_s, y.output_tokens_per_s)} | "
                          f"{_ratio(x.ttft[50], y.ttft[50])} | {_ratio(x.ttft[99], y.ttft[99])} | "
                          f"{_ratio(x.tpot[50], y.tpot[50])} | {_ratio(x.tpot[99], y.tpot[99])} |")
+    return lines
+
+
+def http_pairs_table(pairs: list) -> list[str]:
+    """The in-process/HTTP pairs of runs (`Preset.http_pairs`: Experiments of group "pairs", engine then
+    http, in run order) as a table with each pair's ratios and their medians."""
+    from statistics import median
+
+    def cpu(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    lines = ["| pair | in-process tok/s | its CPU s | HTTP tok/s | server CPU s | client CPU s | "
+             "HTTP / in-process tok/s | TTFT p50 (lower: HTTP better) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    tput, ttft = [], []
+    for i in range(0, len(pairs) - 1, 2):
+        e, h = pairs[i].summary, pairs[i + 1].summary
+        tput.append(h.output_tokens_per_s / e.output_tokens_per_s if e.output_tokens_per_s else float("nan"))
+        ttft.append(h.ttft[50] / e.ttft[50] if h.ttft[50] and e.ttft[50] else float("nan"))
+        lines.append(f"| {i // 2 + 1} | {e.output_tokens_per_s:.1f} | {cpu(e.stats.server_cpu_s)} | "
+                     f"{h.output_tokens_per_s:.1f} | {cpu(h.stats.server_cpu_s)} | {cpu(h.stats.client_cpu_s)} | "
+                     f"{tput[-1]:.2f}x | {ttft[-1]:.2f}x |")
+    if tput:
+        lines.append(f"| median | | | | | | **{median(tput):.2f}x** | **{median(ttft):.2f}x** |")
     return lines
 
 
@@ -198,6 +222,17 @@ def write(out: Path, bench, *, command: str, elapsed_s: float) -> None:
                   f"of this run, with the same threads, dtype, requests and arrival times.", ""]
     for note in getattr(bench, "skipped", []):
         lines += [f"Skipped: {note}.", ""]
+
+    pairs = [e for e in results if e.group == "pairs"]
+    if pairs:
+        lines += ["## HTTP gateway against in-process, pair by pair", "",
+                  f"The main workload {len(pairs) // 2} more times through the in-process engine and then through "
+                  "the HTTP server, back to back, so that each ratio compares runs minutes apart at most: a "
+                  "shared machine's speed drifts 10-15% between single runs, so one pair (as in the side-by-side "
+                  "table) can land anywhere in that band, and the medians are the figures to read. CPU: user + "
+                  "system seconds of all threads over the replay; the server's holds the engine's threads, its "
+                  "event loop, the database and usage threads; the client is this process (the openai SDK).", ""]
+        lines += [*http_pairs_table(pairs), ""]
 
     rate = [e for e in results if e.group == "rate"]
     if rate:

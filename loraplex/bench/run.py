@@ -63,6 +63,9 @@ class Preset:
     slo: SLO = field(default_factory=SLO)
     targets: tuple[str, ...] = TARGETS  # the projections every adapter of the run holds
     cold_load_ranks: tuple[int, ...] = ()  # ranks whose cold-load times are measured after the sweeps
+    # Pairs of runs of the main workload, in-process engine then HTTP, back to back, for the gateway's cost:
+    # the median of their ratios (a noisy shared machine drifts 10-15% between single runs)
+    http_pairs: int = 0
 
 
 def _small() -> Preset:
@@ -70,7 +73,7 @@ def _small() -> Preset:
     # compares capacities; the rate sweep goes to 32 to show the plateau
     main = WorkloadSpec(num_adapters=8, alpha=1.0, rate=16.0, duration_s=6.0, prompt_len=(8, 64),
                         output_len=(8, 64), num_tenants=4)
-    return Preset(main=main, rates=(2.0, 4.0, 8.0, 16.0, 32.0))
+    return Preset(main=main, rates=(2.0, 4.0, 8.0, 16.0, 32.0), http_pairs=5)
 
 
 def _full() -> Preset:
@@ -186,11 +189,14 @@ class Bench:
             self.adapter_dirs[name] = path
 
     # systems ------------------------------------------------------------------------------------
-    def measure(self, group: str, spec: WorkloadSpec | None, system: str, workload: Workload) -> Summary | None:
+    def measure(self, group: str, spec: WorkloadSpec | None, system: str, workload: Workload, *,
+                reuse: bool = True) -> Summary | None:
+        """Run `system` on `workload` and record it under `group`; reuse=False runs it again even when the
+        same (system, spec) was measured for another table."""
         from loraplex.bench import systems
 
         key = (system, repr(spec))
-        if spec is not None and key in self._done:  # the same measurement in another table: run it once
+        if reuse and spec is not None and key in self._done:  # the same measurement in another table: run it once
             summary, records = self._done[key]
             self.results.append(Experiment(group, spec, system, summary, records))
             return summary
@@ -260,6 +266,10 @@ class Bench:
             if system in ("peft", "http", "vllm", "vllm-base") and p.load_format == "dummy":  # no model files
                 continue
             self.measure("main", spec, system, main)
+        if p.http_pairs and {"engine", "http"} <= set(p.systems) and p.load_format != "dummy":
+            for _ in range(p.http_pairs):
+                for system in ("engine", "http"):
+                    self.measure("pairs", spec, system, main, reuse=False)
         for rate in p.rates:
             for system in ("engine", "static", "base"):
                 self.measure("rate", replace(p.main, rate=rate), system, generate(replace(p.main, rate=rate)))
@@ -331,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="the preset's model instead (e.g. smollm2-135m-shapes with --load-format dummy)")
     ap.add_argument("--load-format", choices=("auto", "dummy"), help="dummy: random weights, no model file")
     ap.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory, instead of the preset's")
+    ap.add_argument("--http-pairs", type=int,
+                    help="in-process/HTTP pairs of runs for the gateway's cost, instead of the preset's (0: none)")
     ap.add_argument("--peer-python", help="the Python of a vLLM virtualenv for the vllm systems (default "
                                           "$LORAPLEX_PEER_PYTHON, else .peer/vllm/bin/python from scripts/peer-vllm)")
     args = ap.parse_args(argv)
@@ -375,7 +387,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"report written to {out}")
         return 0
     preset = PRESETS[args.preset]()
-    overrides = {"model": args.model, "load_format": args.load_format, "max_cpu_loras": args.max_cpu_loras}
+    if args.http_pairs is not None and args.http_pairs < 0:
+        ap.error(f"--http-pairs must be >= 0, got {args.http_pairs}")
+    overrides = {"model": args.model, "load_format": args.load_format, "max_cpu_loras": args.max_cpu_loras,
+                 "http_pairs": args.http_pairs}
     preset = dataclasses.replace(preset, **{k: v for k, v in overrides.items() if v is not None})
     preset.main = replace(preset.main, seed=args.seed)
     if args.systems:

@@ -35,7 +35,7 @@ def run_engine(llm, workload: Workload, *, static: bool = False) -> tuple[list[R
     index_of: dict[str, int] = {}
     stats = RunStats(num_preemptions=engine.scheduler.num_preemptions)
     before = llm.adapter_stats()["tiers"]["slots"]
-    start = time.perf_counter()
+    cpu0, start = time.process_time(), time.perf_counter()
     try:
         while pending or engine.has_unfinished_requests():
             now = time.perf_counter() - start
@@ -69,6 +69,7 @@ def run_engine(llm, workload: Workload, *, static: bool = False) -> tuple[list[R
             if rows:
                 stats.num_steps += 1
                 stats.num_batched_rows += rows
+        stats.server_cpu_s = time.process_time() - cpu0  # this process: the engine's threads
     finally:
         engine.config.static_batching = was_static
         for rid in list(index_of):

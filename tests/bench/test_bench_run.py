@@ -166,6 +166,7 @@ def test_a_refused_request_is_that_requests_failure_not_the_runs(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--systems", "engine,sglang"], "unknown systems ['sglang']"),
     (["--trace", "/nonexistent/trace.jsonl"], "No such file"),
+    (["--http-pairs", "-1"], "--http-pairs must be >= 0, got -1"),
 ])
 def test_cli_refuses_bad_arguments_before_loading_the_model(args, message):
     out = subprocess.run([sys.executable, "-m", "loraplex.cli", "bench", *args], capture_output=True, text=True,

@@ -51,3 +51,5 @@ def test_run_http_matches_the_engine(tmp_path):
         assert rec.text == out.text
     assert stats.num_steps > 0 and stats.num_batched_rows >= stats.num_steps
     assert stats.adapter_hits + stats.adapter_misses > 0 and stats.num_preemptions == 0
+    # CPU seconds over the replay: the server's (its engine made every token) and this process's (the client)
+    assert stats.server_cpu_s > 0 and stats.client_cpu_s > 0
