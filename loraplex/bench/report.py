@@ -109,26 +109,39 @@ def ratio_table(main: dict[str, Summary]) -> list[str]:
 
 
 def http_pairs_table(pairs: list) -> list[str]:
-    """The in-process/HTTP pairs of runs (`Preset.http_pairs`: Experiments of group "pairs", engine then
-    http, in run order) as a table with each pair's ratios and their medians."""
+    """The in-process/HTTP pairs of runs (`Preset.http_pairs`: Experiments of group "pairs", two by two in
+    run order, each two an "engine" and an "http" run in either order) as a table with each pair's ratios
+    and their medians (over the pairs where both runs made tokens)."""
     from statistics import median
 
     def cpu(x: float | None) -> str:
-        return "-" if x is None else f"{x:.2f}"
+        return "–" if x is None else f"{x:.2f}"
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or not b else a / b
+
+    def fmt(x: float | None) -> str:
+        return "–" if x is None else f"{x:.2f}x"
+
+    def med(xs: list[float | None]) -> str:
+        xs = [x for x in xs if x is not None]
+        return f"**{median(xs):.2f}x**" if xs else "–"
 
     lines = ["| pair | in-process tok/s | its CPU s | HTTP tok/s | server CPU s | client CPU s | "
              "HTTP / in-process tok/s | TTFT p50 (lower: HTTP better) |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     tput, ttft = [], []
     for i in range(0, len(pairs) - 1, 2):
-        e, h = pairs[i].summary, pairs[i + 1].summary
-        tput.append(h.output_tokens_per_s / e.output_tokens_per_s if e.output_tokens_per_s else float("nan"))
-        ttft.append(h.ttft[50] / e.ttft[50] if h.ttft[50] and e.ttft[50] else float("nan"))
-        lines.append(f"| {i // 2 + 1} | {e.output_tokens_per_s:.1f} | {cpu(e.stats.server_cpu_s)} | "
+        runs = {pairs[i].system: pairs[i].summary, pairs[i + 1].system: pairs[i + 1].summary}
+        e, h = runs["engine"], runs["http"]
+        tput.append(ratio(h.output_tokens_per_s, e.output_tokens_per_s))
+        ttft.append(ratio(h.ttft[50], e.ttft[50]))
+        first = "HTTP first" if pairs[i].system == "http" else "in-process first"
+        lines.append(f"| {i // 2 + 1} ({first}) | {e.output_tokens_per_s:.1f} | {cpu(e.stats.server_cpu_s)} | "
                      f"{h.output_tokens_per_s:.1f} | {cpu(h.stats.server_cpu_s)} | {cpu(h.stats.client_cpu_s)} | "
-                     f"{tput[-1]:.2f}x | {ttft[-1]:.2f}x |")
+                     f"{fmt(tput[-1])} | {fmt(ttft[-1])} |")
     if tput:
-        lines.append(f"| median | | | | | | **{median(tput):.2f}x** | **{median(ttft):.2f}x** |")
+        lines.append(f"| median | | | | | | {med(tput)} | {med(ttft)} |")
     return lines
 
 
@@ -226,12 +239,13 @@ def write(out: Path, bench, *, command: str, elapsed_s: float) -> None:
     pairs = [e for e in results if e.group == "pairs"]
     if pairs:
         lines += ["## HTTP gateway against in-process, pair by pair", "",
-                  f"The main workload {len(pairs) // 2} more times through the in-process engine and then through "
-                  "the HTTP server, back to back, so that each ratio compares runs minutes apart at most: a "
-                  "shared machine's speed drifts 10-15% between single runs, so one pair (as in the side-by-side "
-                  "table) can land anywhere in that band, and the medians are the figures to read. CPU: user + "
-                  "system seconds of all threads over the replay; the server's holds the engine's threads, its "
-                  "event loop, the database and usage threads; the client is this process (the openai SDK).", ""]
+                  f"The main workload {len(pairs) // 2} more times through the in-process engine and through the "
+                  "HTTP server, back to back (every other pair HTTP first), so that each ratio compares runs "
+                  "seconds apart. A shared VM's speed can drift between single runs (10-15% on the 2-core VMs "
+                  "of docs/performance.md), so one pair, as in the side-by-side table, can land anywhere in that "
+                  "band; the medians are the figures to read. CPU: user + system seconds of all threads over the "
+                  "replay; the server's holds the engine's threads, its event loop, the database and usage "
+                  "threads; the client is this process (the openai SDK).", ""]
         lines += [*http_pairs_table(pairs), ""]
 
     rate = [e for e in results if e.group == "rate"]

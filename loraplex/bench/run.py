@@ -63,8 +63,8 @@ class Preset:
     slo: SLO = field(default_factory=SLO)
     targets: tuple[str, ...] = TARGETS  # the projections every adapter of the run holds
     cold_load_ranks: tuple[int, ...] = ()  # ranks whose cold-load times are measured after the sweeps
-    # Pairs of runs of the main workload, in-process engine then HTTP, back to back, for the gateway's cost:
-    # the median of their ratios (a noisy shared machine drifts 10-15% between single runs)
+    # Pairs of runs of the main workload, in-process engine and HTTP back to back (every other pair HTTP
+    # first), for the gateway's cost: the median of their ratios (a shared VM drifted 10-15% between runs)
     http_pairs: int = 0
 
 
@@ -191,8 +191,9 @@ class Bench:
     # systems ------------------------------------------------------------------------------------
     def measure(self, group: str, spec: WorkloadSpec | None, system: str, workload: Workload, *,
                 reuse: bool = True) -> Summary | None:
-        """Run `system` on `workload` and record it under `group`; reuse=False runs it again even when the
-        same (system, spec) was measured for another table."""
+        """Run `system` on `workload` and record it under `group`. A (system, spec) measured before is
+        reused in another table; reuse=False runs it again (a repeat), and the first run stays the one
+        later tables reuse."""
         from loraplex.bench import systems
 
         key = (system, repr(spec))
@@ -242,7 +243,8 @@ class Bench:
         summary = summarize(system, records, stats, self.preset.slo, self.flops_per_token, self.peak,
                             self.flops_per_output_token)
         self.results.append(Experiment(group, spec, system, summary, records))
-        self._done[key] = summary, records
+        if reuse or key not in self._done:  # a repeat never stands in for the run other tables reuse
+            self._done[key] = summary, records
         print(f"  {group:<8} {system:<7} {_label(spec):<34} {summary.output_tokens_per_s:8.1f} tok/s  "
               f"p99 TTFT {_fmt(summary.ttft[99])} s  ({time.perf_counter() - t0:.0f} s)", flush=True)
         return summary
@@ -266,10 +268,14 @@ class Bench:
             if system in ("peft", "http", "vllm", "vllm-base") and p.load_format == "dummy":  # no model files
                 continue
             self.measure("main", spec, system, main)
-        if p.http_pairs and {"engine", "http"} <= set(p.systems) and p.load_format != "dummy":
-            for _ in range(p.http_pairs):
-                for system in ("engine", "http"):
-                    self.measure("pairs", spec, system, main, reuse=False)
+        if p.http_pairs:
+            if {"engine", "http"} <= set(p.systems) and p.load_format != "dummy":
+                for i in range(p.http_pairs):  # every other pair HTTP first, so a drifting machine favours neither
+                    for system in ("engine", "http") if i % 2 == 0 else ("http", "engine"):
+                        self.measure("pairs", spec, system, main, reuse=False)
+            else:
+                self.skipped.append("the in-process/HTTP pairs: they need the engine and http systems and the "
+                                    "model's files (not --load-format dummy)")
         for rate in p.rates:
             for system in ("engine", "static", "base"):
                 self.measure("rate", replace(p.main, rate=rate), system, generate(replace(p.main, rate=rate)))
@@ -334,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", type=Path, help="JSONL trace to replay as the main workload")
     ap.add_argument("--systems", help="comma-separated subset of engine,static,peft,base,http for the main workload")
     ap.add_argument("--main-only", action="store_true",
-                    help="run the main workload only, not the rate, adapter-count and alpha sweeps")
+                    help="run the main workload only (with its in-process/HTTP pairs; --http-pairs 0 for none), "
+                         "not the rate, adapter-count and alpha sweeps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=usable_cpus(),
                     help="torch CPU threads (default: the CPUs this process may use)")

@@ -211,3 +211,19 @@ def test_cli_main_only_runs_the_main_workload_without_the_sweeps(tmp_path):
     text = out.read_text()
     assert "## Side by side" in text and "| loraplex, continuous batching | 99/99 |" in text
     assert "## Rate sweep" not in text and "--main-only" in text
+
+
+def test_a_repeated_run_is_recorded_but_other_tables_reuse_the_first(bench):
+    """`measure(reuse=False)` (the in-process/HTTP pairs) runs a (system, spec) again; a later table that
+    asks for that measurement gets the first run, not the repeat."""
+    from loraplex.bench.workload import generate
+
+    spec = bench.preset.main
+    first = next(e.summary for e in bench.results if e.group == "main" and e.system == "engine")
+    n = len(bench.results)
+    try:
+        again = bench.measure("pairs", spec, "engine", generate(spec), reuse=False)
+        assert again is not first and bench.results[-1].group == "pairs" and bench.results[-1].summary is again
+        assert bench.measure("later", spec, "engine", generate(spec)) is first
+    finally:
+        del bench.results[n:]

@@ -178,24 +178,28 @@ def test_bench_servers_queue_every_request_and_the_caller_overrides(monkeypatch,
 
 
 def test_http_pairs_table_gives_each_pairs_ratios_and_their_medians():
-    """Pairs of runs (engine, then http, in run order): each pair's HTTP / in-process throughput and TTFT
-    p50, with the CPU seconds each side used, and the medians of the ratios."""
+    """Pairs of runs (an engine and an http run, in either order): each pair's HTTP / in-process throughput
+    and TTFT p50, with the CPU seconds each side used, and the medians over the pairs that made tokens."""
     from types import SimpleNamespace
 
     from loraplex.bench.report import http_pairs_table
 
-    def run(tokens: int, ttft: float, server_cpu: float, client_cpu: float | None = None):
+    def run(system: str, tokens: int, ttft: float, server_cpu: float, client_cpu: float | None = None):
         # one request arriving at 0, first token at ttft, done at 10 s: tokens / 10 tok/s
         rec = RequestRecord(arrival_s=0.0, first_token_s=ttft, finish_s=10.0, num_prompt_tokens=4,
                             num_output_tokens=tokens)
         stats = RunStats(server_cpu_s=server_cpu, client_cpu_s=client_cpu)
-        return SimpleNamespace(summary=summarize("x", [rec], stats, SLO()))
+        return SimpleNamespace(system=system, summary=summarize(system, [rec], stats, SLO()))
 
-    pairs = [run(100, 0.2, 9.0), run(90, 0.3, 9.5, 0.5),   # 0.90x, TTFT 1.50x
-             run(100, 0.2, 9.0), run(80, 0.5, 9.9, 0.7),   # 0.80x, 2.50x
-             run(100, 0.4, 9.0), run(100, 0.4, 9.1, 0.4)]  # 1.00x, 1.00x
+    failed = SimpleNamespace(system="http", summary=summarize(
+        "http", [RequestRecord(0.0, None, None, 4, 0, error="ReadError")], RunStats(), SLO()))
+    pairs = [run("engine", 100, 0.2, 9.0), run("http", 90, 0.3, 9.5, 0.5),   # 0.90x, TTFT 1.50x
+             run("http", 80, 0.5, 9.9, 0.7), run("engine", 100, 0.2, 9.0),   # HTTP first: 0.80x, 2.50x
+             run("engine", 100, 0.4, 9.0), run("http", 100, 0.4, 9.1, 0.4),  # 1.00x, 1.00x
+             run("engine", 100, 0.4, 9.0), failed]                            # 0.00x, no TTFT
     lines = http_pairs_table(pairs)
-    assert lines[2] == "| 1 | 10.0 | 9.00 | 9.0 | 9.50 | 0.50 | 0.90x | 1.50x |"
-    assert lines[3] == "| 2 | 10.0 | 9.00 | 8.0 | 9.90 | 0.70 | 0.80x | 2.50x |"
-    assert lines[-1] == "| median | | | | | | **0.90x** | **1.50x** |"
+    assert lines[2] == "| 1 (in-process first) | 10.0 | 9.00 | 9.0 | 9.50 | 0.50 | 0.90x | 1.50x |"
+    assert lines[3] == "| 2 (HTTP first) | 10.0 | 9.00 | 8.0 | 9.90 | 0.70 | 0.80x | 2.50x |"
+    assert lines[5] == "| 4 (in-process first) | 10.0 | 9.00 | 0.0 | – | – | 0.00x | – |"
+    assert lines[-1] == "| median | | | | | | **0.85x** | **1.50x** |"
     assert http_pairs_table([]) == lines[:2]

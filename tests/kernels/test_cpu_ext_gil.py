@@ -9,6 +9,7 @@ lets the counter run."""
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import time
@@ -21,10 +22,11 @@ from loraplex.kernels import cpu_ext
 from loraplex.kernels.cpu_greedy import norms_rounded_up
 
 
-def _counts_during(fn, seconds: float = 0.2, batch: int = 8) -> int:
-    """How many times a second Python thread counted while `fn` computed, called in batches for `seconds`.
-    Freeing a result tensor lets the GIL go for a moment (whatever made it): counts then are not `fn`'s, so
-    each batch's results are freed outside the counted window."""
+def _counts_during(fn, seconds: float = 2.0, batch: int = 8) -> int:
+    """How many times a second Python thread counted while `fn` computed, called in batches until it has
+    counted or `seconds` have passed. Freeing a result tensor lets the GIL go for a moment (whatever made
+    it): counts then are not `fn`'s, so each batch's results are freed outside the counted window; the
+    garbage collector is off meanwhile (a finalizer it runs may let the GIL go too)."""
     count, stop = 0, False
 
     def counter() -> None:
@@ -37,17 +39,20 @@ def _counts_during(fn, seconds: float = 0.2, batch: int = 8) -> int:
     sys.setswitchinterval(10.0)
     thread = threading.Thread(target=counter, daemon=True)
     thread.start()
+    gc.collect()
+    gc.disable()
     try:
         time.sleep(0.01)
         fn()  # first call: allocations, lazy set-up
         counted, end = 0, time.perf_counter() + seconds
-        while time.perf_counter() < end:
+        while counted == 0 and time.perf_counter() < end:
             before = count
             results = [fn() for _ in range(batch)]
             counted += count - before
             del results
         return counted
     finally:
+        gc.enable()
         stop = True
         thread.join()
         sys.setswitchinterval(old)
@@ -108,5 +113,5 @@ def test_kernel_lets_other_python_threads_run(name):
 
 
 def test_the_probe_tells_a_call_that_keeps_the_gil():
-    """The probe itself: a loop of pure Python calls never lets the counter run."""
+    """The probe itself: a loop of pure Python calls never lets the counter run, for the whole 2 s."""
     assert _counts_during(lambda: sum(range(1000))) == 0
