@@ -75,9 +75,7 @@ def run_http(
         with httpx.Client(base_url=server.url, headers=_auth(server.admin_key), **LOCAL) as admin:
             keys = _set_up_tenants(admin, workload, adapter_dirs)
             base_model = admin.get("/admin/engine").raise_for_status().json()["model"]
-        records, stats = asyncio.run(_bench(server.url, server.admin_key, keys, base_model, workload,
-                                            server.proc.pid))
-        return records, stats
+        return asyncio.run(_bench(server.url, server.admin_key, keys, base_model, workload, server.proc.pid))
 
 
 @dataclass

@@ -114,9 +114,6 @@ def http_pairs_table(pairs: list) -> list[str]:
     and their medians (over the pairs where both runs made tokens)."""
     from statistics import median
 
-    def cpu(x: float | None) -> str:
-        return "–" if x is None else f"{x:.2f}"
-
     def ratio(a: float | None, b: float | None) -> float | None:
         return None if a is None or not b else a / b
 
@@ -137,8 +134,8 @@ def http_pairs_table(pairs: list) -> list[str]:
         tput.append(ratio(h.output_tokens_per_s, e.output_tokens_per_s))
         ttft.append(ratio(h.ttft[50], e.ttft[50]))
         first = "HTTP first" if pairs[i].system == "http" else "in-process first"
-        lines.append(f"| {i // 2 + 1} ({first}) | {e.output_tokens_per_s:.1f} | {cpu(e.stats.server_cpu_s)} | "
-                     f"{h.output_tokens_per_s:.1f} | {cpu(h.stats.server_cpu_s)} | {cpu(h.stats.client_cpu_s)} | "
+        lines.append(f"| {i // 2 + 1} ({first}) | {e.output_tokens_per_s:.1f} | {_f(e.stats.server_cpu_s)} | "
+                     f"{h.output_tokens_per_s:.1f} | {_f(h.stats.server_cpu_s)} | {_f(h.stats.client_cpu_s)} | "
                      f"{fmt(tput[-1])} | {fmt(ttft[-1])} |")
     if tput:
         lines.append(f"| median | | | | | | {med(tput)} | {med(ttft)} |")
