@@ -1,5 +1,5 @@
-"""The HTTP system of the serving benchmark: a real `loraplex serve` process, driven by the official
-`openai` client with streaming (what a tenant sees: HTTP, auth, quotas, SSE on top of the engine).
+"""The HTTP system of the serving benchmark: a real `loraplex serve` process, driven over HTTP with streaming
+(what a tenant sees: HTTP, auth, quotas, SSE on top of the engine).
 
 `run_http` starts the server (`serve_subprocess`: a fresh LORAPLEX_HOME whose `models/` links to the
 normal model cache, so nothing is downloaded or converted again), makes one unlimited tenant per
@@ -7,11 +7,12 @@ workload tenant with a key, uploads every adapter to the tenants whose requests 
 model up once, then replays the workload: each request is an asyncio task that sleeps until its arrival and streams `/v1/completions`
 with the prompt's token ids, greedy, `ignore_eos` (each row makes exactly `output_len` tokens).
 
-The client runs on the SDK's aiohttp transport (`openai.DefaultAioHttpClient`, the `openai[aiohttp]`
-extra), which the SDK offers for many concurrent streams; vLLM's and SGLang's serving benchmarks drive
-their servers with aiohttp too. Over the small preset's replay on a 2-core machine that the client shares
-with the server, it took 0.79-1.06 CPU seconds against 1.07-1.15 s on the default httpx transport (three
-runs each, 2026-12-06): CPU the server's engine threads get back.
+The client is aiohttp with `json.loads` on each SSE line, as vLLM's serving benchmark
+(`vllm bench serve`, its `async_request_openai_completions`) and SGLang's drive their servers: the
+client shares the server's cores here, and what it spends is taken from the engine's threads. Over the
+small preset's replay on a 2-core machine it took 0.22-0.26 CPU seconds against 0.67-0.78 s for the
+`openai` SDK on its aiohttp transport (four runs each, 2026-12-06); the SDK's own parsing of our streams
+is what tests/platform check.
 
 Times are `time.perf_counter()` seconds from the start of the replay. first_token_s is the first chunk
 with text (a token that decodes to no text, e.g. a special token, sends no chunk; a stream with no text
@@ -23,6 +24,7 @@ records get `text` and leave `token_ids` empty.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import socket
@@ -250,26 +252,22 @@ def make_tenants(admin: httpx.Client, adapters: dict[str, list[str]], adapter_di
 async def _bench(
     url: str, admin_key: str, keys: dict[str, str], base_model: str, workload: Workload, server_pid: int
 ) -> tuple[list[RequestRecord], RunStats]:
-    import openai
+    import aiohttp
 
-    # The SDK's HTTP client is its own (httpx2 in openai 3.x), which refuses httpx's Timeout and Limits
-    # (httpx2 2.17): build them from the classes of the SDK's own defaults
-    timeout = type(openai.DEFAULT_TIMEOUT)(REQUEST_TIMEOUT.read, connect=REQUEST_TIMEOUT.connect)
-    limits = type(openai.DEFAULT_CONNECTION_LIMITS)
-    clients = {}
+    sessions = {}
     for tenant, key in keys.items():
         n = sum(r.tenant == tenant for r in workload.requests) + 8  # every request in flight at once
-        http = openai.DefaultAioHttpClient(
-            limits=limits(max_connections=n, max_keepalive_connections=n), timeout=timeout, trust_env=False
-        )
-        clients[tenant] = openai.AsyncOpenAI(
-            base_url=url + "/v1", api_key=key, max_retries=0, timeout=timeout, http_client=http
+        sessions[tenant] = aiohttp.ClientSession(
+            base_url=url, headers=_auth(key), connector=aiohttp.TCPConnector(limit=n),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=REQUEST_TIMEOUT.connect,
+                                          sock_read=REQUEST_TIMEOUT.read),
+            trust_env=False,
         )
     try:
         one_each = {(r.tenant, r.adapter): r for r in workload.requests}  # per tenant and model
         warm = [BenchRequest(0.0, r.tenant, r.adapter, r.prompt_token_ids[:4], 2) for r in one_each.values()]
         for rec in await asyncio.gather(
-            *(_stream(clients[r.tenant], base_model, r, time.perf_counter()) for r in warm)
+            *(_stream(sessions[r.tenant], base_model, r, time.perf_counter()) for r in warm)
         ):
             if not rec.ok:
                 raise RuntimeError(f"warm-up of {rec.adapter or base_model} failed: {rec.error}")
@@ -277,13 +275,13 @@ async def _bench(
             before = (await admin.get("/admin/engine")).raise_for_status().json()
             cpu0, server_cpu0, start = time.process_time(), process_cpu_s(server_pid), time.perf_counter()
             records = await asyncio.gather(
-                *(_stream(clients[r.tenant], base_model, r, start) for r in workload.requests)
+                *(_stream(sessions[r.tenant], base_model, r, start) for r in workload.requests)
             )
             cpu1, server_cpu1 = time.process_time(), process_cpu_s(server_pid)
             after = (await admin.get("/admin/engine")).raise_for_status().json()
     finally:
-        for client in clients.values():
-            await client.close()
+        for session in sessions.values():
+            await session.close()
     stats = _run_stats(before, after)
     stats.client_cpu_s = cpu1 - cpu0
     if server_cpu0 is not None and server_cpu1 is not None:
@@ -291,28 +289,37 @@ async def _bench(
     return list(records), stats
 
 
-async def _stream(client, base_model: str, r: BenchRequest, start: float) -> RequestRecord:
-    """Send `r` at start + arrival_s and read its stream; every failure becomes the record's error."""
+async def _stream(session, base_model: str, r: BenchRequest, start: float) -> RequestRecord:
+    """Send `r` at start + arrival_s on the aiohttp `session` and read its stream; every failure (a
+    status other than 200, an `error` event in the stream, a stream without finish_reason or usage, a
+    broken connection) becomes the record's error."""
     rec = RequestRecord(r.arrival_s, None, None, r.prompt_len, 0, r.adapter)
     await asyncio.sleep(max(0.0, start + r.arrival_s - time.perf_counter()))
+    body = {"model": r.adapter or base_model, "prompt": r.prompt_token_ids, "max_tokens": r.output_len,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     pieces, finish_reason, usage = [], None, None
     try:
-        stream = await client.completions.create(
-            model=r.adapter or base_model,
-            prompt=r.prompt_token_ids,
-            max_tokens=r.output_len,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        async for chunk in stream:
-            for choice in chunk.choices:
-                if rec.first_token_s is None and (choice.text or choice.finish_reason):
-                    rec.first_token_s = time.perf_counter() - start
-                pieces.append(choice.text or "")
-                finish_reason = choice.finish_reason or finish_reason
-            usage = chunk.usage or usage
+        async with session.post("/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                rec.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
+                return rec
+            async for line in resp.content:  # SSE: one `data: <json>` line per event, then a blank one
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    rec.error = f"error event: {chunk['error']}"
+                    return rec
+                for choice in chunk.get("choices") or ():
+                    text = choice.get("text") or ""
+                    if rec.first_token_s is None and (text or choice.get("finish_reason")):
+                        rec.first_token_s = time.perf_counter() - start
+                    pieces.append(text)
+                    finish_reason = choice.get("finish_reason") or finish_reason
+                usage = chunk.get("usage") or usage
         rec.finish_s = time.perf_counter() - start
     except Exception as exc:  # any failure is the request's, never the run's
         rec.error = f"{type(exc).__name__}: {exc}"
@@ -321,7 +328,7 @@ async def _stream(client, base_model: str, r: BenchRequest, start: float) -> Req
     if usage is None or finish_reason is None:
         rec.error = "the stream ended without a finish_reason and a usage chunk"
     else:
-        rec.num_output_tokens = usage.completion_tokens
+        rec.num_output_tokens = usage["completion_tokens"]
     return rec
 
 

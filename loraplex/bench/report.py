@@ -18,7 +18,7 @@ NAMES = {
     "static": "loraplex, static batching (admits a new batch when the last is done)",
     "peft": "transformers + PEFT generate(adapter_names)",
     "base": "loraplex, base model only",
-    "http": "loraplex over HTTP (openai client on aiohttp, streaming)",
+    "http": "loraplex over HTTP (aiohttp client, streaming)",
     "vllm": "vLLM (enable_lora, one LoRARequest per adapter)",
     "vllm-base": "vLLM, base model only (LoRA off)",
 }
@@ -242,7 +242,7 @@ def write(out: Path, bench, *, command: str, elapsed_s: float) -> None:
                   "of docs/performance.md), so one pair, as in the side-by-side table, can land anywhere in that "
                   "band; the medians are the figures to read. CPU: user + system seconds of all threads over the "
                   "replay; the server's holds the engine's threads, its event loop, the database and usage "
-                  "threads; the client is this process (the openai SDK).", ""]
+                  "threads; the client is this process (aiohttp).", ""]
         lines += [*http_pairs_table(pairs), ""]
 
     rate = [e for e in results if e.group == "rate"]

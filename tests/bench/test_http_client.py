@@ -1,6 +1,6 @@
 """The HTTP system of the serving benchmark end to end: a real `loraplex serve` subprocess, two tenants
-with their own random adapters, the `openai` client streaming; greedy text must match the in-process
-engine's on the same prompts and adapters."""
+with their own random adapters, the bench's aiohttp client streaming; greedy text must match the in-process
+engine's on the same prompts and adapters; and the client's SSE reader on each way a stream can fail."""
 
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ from loraplex.adapters.synthetic import write_random_adapter
 from loraplex.bench.http_client import run_http
 from loraplex.bench.workload import WorkloadSpec, generate
 
-pytestmark = pytest.mark.slow
-
 ENGINE = dict(dtype="float32", kv_cache_memory=64 << 20, max_loras=2, max_num_seqs=8)
 
 
+@pytest.mark.slow
 def test_run_http_matches_the_engine(tmp_path):
     spec = WorkloadSpec(
         num_adapters=2, num_requests=6, rate=20, prompt_len=(4, 12), output_len=(3, 8), num_tenants=2
@@ -53,3 +52,63 @@ def test_run_http_matches_the_engine(tmp_path):
     assert stats.adapter_hits + stats.adapter_misses > 0 and stats.num_preemptions == 0
     # CPU seconds over the replay: the server's (its engine made every token) and this process's (the client)
     assert stats.server_cpu_s > 0 and stats.client_cpu_s > 0
+
+
+def test_stream_records_every_failure_as_the_requests_error():
+    """The bench client's SSE reader against a real aiohttp server: a refused request, an `error` event in
+    the stream and a stream cut before its usage chunk each become the record's error, and a whole stream
+    its text, first-token time and completion tokens."""
+    import asyncio
+    import json
+
+    import aiohttp
+    from aiohttp import web
+
+    from loraplex.bench.http_client import _stream
+    from loraplex.bench.workload import BenchRequest
+
+    def sse(*events) -> bytes:
+        return b"".join(b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n" for e in events)
+
+    chunk = {"choices": [{"index": 0, "text": "Hi", "finish_reason": None}], "usage": None}
+    last = {"choices": [{"index": 0, "text": "!", "finish_reason": "length"}], "usage": None}
+    usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+    bodies = {
+        "ok": sse(chunk, last, usage, b"[DONE]"),
+        "error": sse(chunk, {"error": {"message": "The engine failed", "code": "engine_error"}}),
+        "cut": sse(chunk, last),
+    }
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        assert body["stream"] is True and body["ignore_eos"] is True and body["prompt"] == [1, 2, 3]
+        if body["model"] == "refused":
+            return web.json_response({"error": {"message": "no", "code": "model_not_found"}}, status=404)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(bodies[body["model"]])
+        await resp.write_eof()
+        return resp
+
+    async def main() -> dict:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{port}") as session:
+                return {m: await _stream(session, "base", BenchRequest(0.0, "t", m, [1, 2, 3], 2), 0.0)
+                        for m in ("ok", "refused", "error", "cut")}
+        finally:
+            await runner.cleanup()
+
+    recs = asyncio.run(main())
+    ok = recs["ok"]
+    assert ok.ok and ok.text == "Hi!" and ok.num_output_tokens == 2 and 0 < ok.first_token_s <= ok.finish_s
+    assert recs["refused"].error.startswith("HTTP 404: ") and "model_not_found" in recs["refused"].error
+    assert recs["error"].error == "error event: {'message': 'The engine failed', 'code': 'engine_error'}"
+    assert recs["cut"].error == "the stream ended without a finish_reason and a usage chunk"
+    assert not any(recs[m].ok for m in ("refused", "error", "cut"))
