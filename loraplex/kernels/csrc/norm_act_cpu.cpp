@@ -36,15 +36,9 @@ using loraplex_attention::vec::exp_nonpositive;
 using loraplex_attention::vec::kLanes;
 using loraplex_attention::vec::load;
 using loraplex_attention::vec::store;
+using loraplex_attention::vec::stored;
 using loraplex_attention::vec::VecOf;
 using loraplex_attention::vec::wide;
-
-// A scalar as the storage type T holds it (the vector loops' tails): fp32 itself, bf16 rounded.
-template <typename T>
-inline float stored(float x) {
-  if constexpr (std::is_same_v<T, float>) return x;
-  else return static_cast<float>(c10::BFloat16(x));
-}
 
 // Both loops run on vectors of W lanes: 16 with AVX-512, 8 with AVX2 (paged_vec.h says why); the sum of
 // squares keeps 16 running sums either way (two vectors of 8 with AVX2), added in the same order, so
@@ -81,7 +75,7 @@ LORAPLEX_CLONES void add_rms_norm_rows(T* x, const T* r, const T* w, T* out, int
     }
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);  // torch.rsqrt's 1 / sqrt
     for (int64_t i = 0; i < Hv; i += W)
-      store<W>(ot + i, as_stored<T>(as_stored<T>(load<W>(xt + i) * inv) * load<W>(w + i)));
+      store<W>(ot + i, as_stored<T>(load<W>(xt + i) * inv) * load<W>(w + i));  // store rounds the product
     for (int64_t i = Hv; i < H; ++i)
       ot[i] = static_cast<T>(stored<T>(stored<T>(static_cast<float>(xt[i]) * inv) * static_cast<float>(w[i])));
   }
@@ -101,7 +95,7 @@ LORAPLEX_CLONES void silu_mul_span(const T* g, const T* u, T* o, int64_t I) {
     const V gv = load<W>(g + i);
     const V e = exp_nonpositive(gv < 0.f ? gv : -gv);
     const V num = gv >= 0.f ? gv : gv * e;
-    store<W>(o + i, as_stored<T>(as_stored<T>(num / (e + 1.f)) * load<W>(u + i)));
+    store<W>(o + i, as_stored<T>(num / (e + 1.f)) * load<W>(u + i));  // store rounds the product
   }
   for (int64_t i = Iv; i < I; ++i) {
     const float gi = static_cast<float>(g[i]);

@@ -92,6 +92,14 @@ LORAPLEX_INLINE V as_stored(V v) {
   else return round_bf16(v);
 }
 
+// A scalar as the storage type T holds it (the vector loops' tails): fp32 itself, bf16 rounded to
+// nearest even as c10::BFloat16 rounds it, the same bits as round_bf16's lanes.
+template <typename T>
+inline float stored(float x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return static_cast<float>(c10::BFloat16(x));
+}
+
 // Stores v's W lanes at p: fp32 as they are; bf16 rounded (round_bf16) to their top 16 bits.
 template <int W>
 LORAPLEX_INLINE void store(float* p, typename VecOf<W>::f v) { std::memcpy(p, &v, sizeof v); }

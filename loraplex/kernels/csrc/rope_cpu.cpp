@@ -19,11 +19,8 @@ namespace {
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("avx512f", "avx2,fma", "default")))
-#endif
-void rope_rows(float* x, int64_t row_stride, const float* cos, const float* sin, int64_t begin, int64_t end,
-               int64_t heads, int64_t D) {
+LORAPLEX_CLONES void rope_rows(float* x, int64_t row_stride, const float* cos, const float* sin, int64_t begin,
+                               int64_t end, int64_t heads, int64_t D) {
   const int64_t half = D / 2;
   for (int64_t t = begin; t < end; ++t) {
     const float* c = cos + t * D;
@@ -43,9 +40,8 @@ void rope_rows(float* x, int64_t row_stride, const float* cos, const float* sin,
 using loraplex_attention::vec::load;
 using loraplex_attention::vec::round_bf16;
 using loraplex_attention::vec::store;
+using loraplex_attention::vec::stored;
 using loraplex_attention::vec::VecOf;
-
-inline float bf16_round(float x) { return static_cast<float>(c10::BFloat16(x)); }
 
 // bf16 rows on vectors of W lanes, the last D / 2 mod W columns of each half one value at a time.
 template <int W>
@@ -66,9 +62,10 @@ LORAPLEX_CLONES void rope_rows_bf16(c10::BFloat16* x, int64_t row_stride, const 
       }
       for (int64_t i = hv; i < half; ++i) {
         const float a = p[i], b = p[i + half];
-        p[i] = c10::BFloat16(bf16_round(a * static_cast<float>(c[i])) - bf16_round(b * static_cast<float>(s[i])));
-        p[i + half] = c10::BFloat16(bf16_round(b * static_cast<float>(c[i + half])) +
-                                    bf16_round(a * static_cast<float>(s[i + half])));
+        using B = c10::BFloat16;
+        p[i] = B(stored<B>(a * static_cast<float>(c[i])) - stored<B>(b * static_cast<float>(s[i])));
+        p[i + half] = B(stored<B>(b * static_cast<float>(c[i + half])) +
+                        stored<B>(a * static_cast<float>(s[i + half])));
       }
     }
   }
