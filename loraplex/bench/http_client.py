@@ -7,8 +7,8 @@ workload tenant with a key, uploads every adapter to the tenants whose requests 
 model up once, then replays the workload: each request is an asyncio task that sleeps until its arrival and streams `/v1/completions`
 with the prompt's token ids, greedy, `ignore_eos` (each row makes exactly `output_len` tokens).
 
-The client is aiohttp with `json.loads` on each SSE line, as vLLM's serving benchmark
-(`vllm bench serve`, its `async_request_openai_completions`) and SGLang's drive their servers: the
+The client is aiohttp with `json.loads` on each SSE event, as vLLM's serving benchmark
+(`vllm bench serve`, its `async_request_openai_completions`) and SGLang's read their servers: the
 client shares the server's cores here, and what it spends is taken from the engine's threads. Over the
 small preset's replay on a 2-core machine it took 0.22-0.26 CPU seconds against 0.67-0.78 s for the
 `openai` SDK on its aiohttp transport (four runs each, 2026-12-06); the SDK's own parsing of our streams
@@ -321,14 +321,14 @@ async def _stream(session, base_model: str, r: BenchRequest, start: float) -> Re
                     finish_reason = choice.get("finish_reason") or finish_reason
                 usage = chunk.get("usage") or usage
         rec.finish_s = time.perf_counter() - start
+        if usage is None or finish_reason is None:
+            rec.error = "the stream ended without a finish_reason and a usage chunk"
+            return rec
+        rec.num_output_tokens = int(usage["completion_tokens"])
     except Exception as exc:  # any failure is the request's, never the run's
         rec.error = f"{type(exc).__name__}: {exc}"
         return rec
     rec.text = "".join(pieces)
-    if usage is None or finish_reason is None:
-        rec.error = "the stream ended without a finish_reason and a usage chunk"
-    else:
-        rec.num_output_tokens = usage["completion_tokens"]
     return rec
 
 

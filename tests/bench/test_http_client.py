@@ -56,10 +56,13 @@ def test_run_http_matches_the_engine(tmp_path):
 
 def test_stream_records_every_failure_as_the_requests_error():
     """The bench client's SSE reader against a real aiohttp server: a refused request, an `error` event in
-    the stream and a stream cut before its usage chunk each become the record's error, and a whole stream
-    its text, first-token time and completion tokens."""
+    the stream (followed by usage and [DONE], as our server sends them), a stream cut before its usage
+    chunk and a usage chunk without completion_tokens each become the record's error, never the run's; a
+    whole stream, written in pieces that split its lines, with a comment line and `data:` without a
+    space, gives its text, first-token time and completion tokens."""
     import asyncio
     import json
+    import time
 
     import aiohttp
     from aiohttp import web
@@ -73,10 +76,12 @@ def test_stream_records_every_failure_as_the_requests_error():
     chunk = {"choices": [{"index": 0, "text": "Hi", "finish_reason": None}], "usage": None}
     last = {"choices": [{"index": 0, "text": "!", "finish_reason": "length"}], "usage": None}
     usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+    whole = b": a comment line\n\n" + sse(chunk).replace(b"data: ", b"data:") + sse(last, usage, b"[DONE]")
     bodies = {
-        "ok": sse(chunk, last, usage, b"[DONE]"),
-        "error": sse(chunk, {"error": {"message": "The engine failed", "code": "engine_error"}}),
-        "cut": sse(chunk, last),
+        "ok": [whole[:7], whole[7:40], whole[40:41], whole[41:]],  # pieces that cut lines, and "data" itself
+        "error": [sse(chunk, {"error": {"message": "The engine failed", "code": "engine_error"}}, usage, b"[DONE]")],
+        "cut": [sse(chunk, last)],
+        "bad usage": [sse(chunk, last, {"choices": [], "usage": {"prompt_tokens": 3}}, b"[DONE]")],
     }
 
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -86,29 +91,33 @@ def test_stream_records_every_failure_as_the_requests_error():
             return web.json_response({"error": {"message": "no", "code": "model_not_found"}}, status=404)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        await resp.write(bodies[body["model"]])
+        for piece in bodies[body["model"]]:
+            await resp.write(piece)
+            await asyncio.sleep(0.01)  # each piece its own TCP read
         await resp.write_eof()
         return resp
 
-    async def main() -> dict:
+    async def main() -> tuple[dict, float]:
         app = web.Application()
         app.router.add_post("/v1/completions", completions)
         runner = web.AppRunner(app)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        host, port = runner.addresses[0][:2]
         try:
-            async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{port}") as session:
-                return {m: await _stream(session, "base", BenchRequest(0.0, "t", m, [1, 2, 3], 2), 0.0)
-                        for m in ("ok", "refused", "error", "cut")}
+            async with aiohttp.ClientSession(base_url=f"http://{host}:{port}") as session:
+                start = time.perf_counter()
+                return {m: await _stream(session, "base", BenchRequest(0.0, "t", m, [1, 2, 3], 2), start)
+                        for m in ("ok", "refused", "error", "cut", "bad usage")}, time.perf_counter() - start
         finally:
             await runner.cleanup()
 
-    recs = asyncio.run(main())
+    recs, elapsed = asyncio.run(main())
     ok = recs["ok"]
-    assert ok.ok and ok.text == "Hi!" and ok.num_output_tokens == 2 and 0 < ok.first_token_s <= ok.finish_s
+    assert ok.ok and ok.text == "Hi!" and ok.num_output_tokens == 2
+    assert 0.02 <= ok.first_token_s < ok.finish_s < elapsed  # "Hi" ends in the last piece, after three sleeps
     assert recs["refused"].error.startswith("HTTP 404: ") and "model_not_found" in recs["refused"].error
     assert recs["error"].error == "error event: {'message': 'The engine failed', 'code': 'engine_error'}"
     assert recs["cut"].error == "the stream ended without a finish_reason and a usage chunk"
-    assert not any(recs[m].ok for m in ("refused", "error", "cut"))
+    assert recs["bad usage"].error == "KeyError: 'completion_tokens'"
+    assert not any(recs[m].ok for m in ("refused", "error", "cut", "bad usage"))
