@@ -292,7 +292,7 @@ async def _bench(
 async def _stream(session, base_model: str, r: BenchRequest, start: float) -> RequestRecord:
     """Send `r` at start + arrival_s on the aiohttp `session` and read its stream; every failure (a
     status other than 200, an `error` event in the stream, a stream without finish_reason or usage, a
-    broken connection) becomes the record's error."""
+    usage chunk without completion_tokens, a broken connection) becomes the record's error."""
     rec = RequestRecord(r.arrival_s, None, None, r.prompt_len, 0, r.adapter)
     await asyncio.sleep(max(0.0, start + r.arrival_s - time.perf_counter()))
     body = {"model": r.adapter or base_model, "prompt": r.prompt_token_ids, "max_tokens": r.output_len,
