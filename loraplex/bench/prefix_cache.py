@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraplex.bench.metrics import percentile
-from loraplex.bench.report import _ms, commit, cpu_flags, machine
+from loraplex.bench.report import _ms, _ratio, commit, cpu_flags, machine
 
 WORDS = ("order delivery window refund supervisor warehouse invoice parcel customer address account payment "
          "return exchange courier tracking schedule discount voucher priority shipment record carrier policy "
@@ -308,7 +308,7 @@ def write_report(out: Path, runs: list[Run], spec: PrefixSpec, *, command: str, 
     for name, r in numbered:
         first, rest, fewest = shared_check(r)
         lines.append(f"| {name} | {r.shared[0].prompt_tokens} | {fewest} | {_ms(first)} | {_ms(rest)} | "
-                     f"{'–' if not first or rest is None else f'{rest / first:.2f}x'} |")
+                     f"{_ratio(rest, first)} |")
     lines += [
         "",
         "Each request's cached tokens and TTFT (ms), first run of each:",
@@ -332,17 +332,14 @@ def write_report(out: Path, runs: list[Run], spec: PrefixSpec, *, command: str, 
                      f"{_ms(r.ttft(50, True))} | {_ms(r.ttft(50, False))} | {r.tokens_per_s:.1f} | "
                      f"{r.hit_rate:.1%} | {r.engine_hits:,} / {r.engine_queries:,} |")
 
-    def ratio(a, b):
-        return "–" if a is None or not b else f"{a / b:.2f}x"
-
     lines += [
         "",
         "| on / off (pooled) | value |",
         "|---|---:|",
-        f"| TTFT p50 | {ratio(on.ttft(50), off.ttft(50))} |",
-        f"| TTFT p99 | {ratio(on.ttft(99), off.ttft(99))} |",
-        f"| later-turn TTFT p50 | {ratio(on.ttft(50, False), off.ttft(50, False))} |",
-        f"| output tokens/s | {ratio(on.tokens_per_s, off.tokens_per_s)} |",
+        f"| TTFT p50 | {_ratio(on.ttft(50), off.ttft(50))} |",
+        f"| TTFT p99 | {_ratio(on.ttft(99), off.ttft(99))} |",
+        f"| later-turn TTFT p50 | {_ratio(on.ttft(50, False), off.ttft(50, False))} |",
+        f"| output tokens/s | {_ratio(on.tokens_per_s, off.tokens_per_s)} |",
         "",
         f"Answers with caching on equal to the same run's answer with caching off, text for text: "
         f"{equal[0]} of {equal[1]} (first turns: {first_equal[0]} of {first_equal[1]}; a later turn's prompt "

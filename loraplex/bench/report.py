@@ -43,8 +43,16 @@ def _ms(x: float | None) -> str:
     return "–" if x is None else f"{x * 1e3:.0f}"
 
 
+def _div(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def _x(r: float | None) -> str:
+    return "–" if r is None else f"{r:.2f}x"
+
+
 def _ratio(a: float | None, b: float | None) -> str:
-    return "–" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
+    return _x(_div(a, b))
 
 
 def machine() -> str:
@@ -114,12 +122,6 @@ def http_pairs_table(pairs: list) -> list[str]:
     and their medians (over the pairs where both runs made tokens)."""
     from statistics import median
 
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return None if a is None or not b else a / b
-
-    def fmt(x: float | None) -> str:
-        return "–" if x is None else f"{x:.2f}x"
-
     def med(xs: list[float | None]) -> str:
         xs = [x for x in xs if x is not None]
         return f"**{median(xs):.2f}x**" if xs else "–"
@@ -131,12 +133,12 @@ def http_pairs_table(pairs: list) -> list[str]:
     for i in range(0, len(pairs) - 1, 2):
         runs = {pairs[i].system: pairs[i].summary, pairs[i + 1].system: pairs[i + 1].summary}
         e, h = runs["engine"], runs["http"]
-        tput.append(ratio(h.output_tokens_per_s, e.output_tokens_per_s))
-        ttft.append(ratio(h.ttft[50], e.ttft[50]))
+        tput.append(_div(h.output_tokens_per_s, e.output_tokens_per_s))
+        ttft.append(_div(h.ttft[50], e.ttft[50]))
         first = "HTTP first" if pairs[i].system == "http" else "in-process first"
         lines.append(f"| {i // 2 + 1} ({first}) | {e.output_tokens_per_s:.1f} | {_f(e.stats.server_cpu_s)} | "
                      f"{h.output_tokens_per_s:.1f} | {_f(h.stats.server_cpu_s)} | {_f(h.stats.client_cpu_s)} | "
-                     f"{fmt(tput[-1])} | {fmt(ttft[-1])} |")
+                     f"{_x(tput[-1])} | {_x(ttft[-1])} |")
     if tput:
         lines.append(f"| median | | | | | | {med(tput)} | {med(ttft)} |")
     return lines
