@@ -81,11 +81,11 @@ def run_engine(llm, workload: Workload, *, static: bool = False) -> tuple[list[R
     return records, stats
 
 
-def warm_up_engine(llm, workload: Workload, num_requests: int = 32) -> None:
-    """Untimed: the workload's first requests at once (8 tokens each), so the first timed steps do not pay
-    for first-touch allocations of a large batch, and the most used adapters sit in their slots."""
-    reqs = workload.requests[:num_requests]
-    llm.generate([r.prompt_token_ids for r in reqs], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+def warm_up_engine(llm, workload: Workload) -> None:
+    """`workload.warm_up()` through `llm` (a `loraplex.LLM`), untimed."""
+    reqs = workload.warm_up()
+    llm.generate([r.prompt_token_ids for r in reqs],
+                 [SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True) for r in reqs],
                  adapters=[r.adapter for r in reqs])
 
 

@@ -117,6 +117,14 @@ class Workload:
         reqs = [BenchRequest(r.arrival_s, r.tenant, None, r.prompt_token_ids, r.output_len) for r in self.requests]
         return Workload(self.spec, reqs)
 
+    def warm_up(self, num_requests: int = 32, output_len: int = 8) -> list[BenchRequest]:
+        """The untimed warm-up of every loraplex system, in process and over HTTP: the first `num_requests`
+        requests, all at time 0, `output_len` tokens each, so the first timed steps do not pay for
+        first-touch allocations of a large batch (KV blocks, activations) and the most used adapters sit
+        in their slots."""
+        return [BenchRequest(0.0, r.tenant, r.adapter, r.prompt_token_ids, output_len)
+                for r in self.requests[:num_requests]]
+
 
 def generate(spec: WorkloadSpec) -> Workload:
     """Draw a workload from `spec`; the same spec (seed included) gives the same requests."""
