@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from loraplex.adapters.synthetic import write_random_adapter
+from loraplex.kernels import cpu_ext
 
-__all__ = ["chat_ids", "peft_generate", "write_random_adapter"]
+__all__ = ["built_cpu_ext", "chat_ids", "peft_generate", "write_random_adapter"]
 
 
 TRAINED_ADAPTER_STEPS = {"upper": 24, "json": 10}  # the `trained_adapters` fixture's; json is learnt in fewer steps
@@ -24,3 +26,12 @@ def peft_generate(model, ids: list[int], adapter: str | None, max_new: int) -> l
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                              max_new_tokens=max_new, do_sample=False, adapter_names=names, pad_token_id=2)
     return out[0, len(ids):].tolist()
+
+
+def built_cpu_ext():
+    """The compiled CPU kernels (`cpu_ext.load()`); fails the test where they did not build, since every
+    machine the suite runs on (CI included) has a compiler, so a fallback there would hide a broken build."""
+    ext = cpu_ext.load()
+    if ext is None:
+        pytest.fail("the CPU kernels must build here (CI has a compiler)")
+    return ext

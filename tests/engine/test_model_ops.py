@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from loraplex.engine.model import RMSNorm, RotaryEmbedding, _rotate_half
 from loraplex.kernels import cpu_ext
+from tests.helpers import built_cpu_ext
 
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -32,8 +33,7 @@ def test_rms_norm_is_hf_bit_for_bit(dtype):
 
 
 def test_rope_in_place_is_hf_bit_for_bit_and_leaves_v_alone():
-    if cpu_ext.load() is None:
-        pytest.fail("the CPU kernels must build here (CI has a compiler)")
+    built_cpu_ext()
     gen = torch.Generator().manual_seed(1)
     rope = RotaryEmbedding(64, 4096, 10000.0)
     T, nh, nkv, d = 37, 9, 3, 64
@@ -58,8 +58,7 @@ def test_rope_in_place_is_hf_bit_for_bit_and_leaves_v_alone():
 def test_bf16_rope_in_place_is_hf_bit_for_bit(d):
     """bf16 rows, with cos and sin cast to bf16 as HF casts them, round each product and each sum as the
     PyTorch bf16 ops do."""
-    if cpu_ext.load() is None:
-        pytest.fail("the CPU kernels must build here (CI has a compiler)")
+    built_cpu_ext()
     gen = torch.Generator().manual_seed(5)
     rope = RotaryEmbedding(d, 4096, 10000.0)
     T, nh, nkv = 19, 9, 3
@@ -103,8 +102,7 @@ def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _norm_and_rows(rows: int, hidden: int, seed: int) -> tuple[RMSNorm, torch.Tensor, torch.Tensor]:
     """An fp32 RMSNorm with a random weight, and x [rows, hidden] (scaled by 4) and r to add to it."""
-    if cpu_ext.load() is None:
-        pytest.fail("the CPU kernels must build here (CI has a compiler)")
+    built_cpu_ext()
     gen = torch.Generator().manual_seed(seed)
     norm = RMSNorm(hidden, 1e-5)
     with torch.no_grad():
@@ -166,8 +164,7 @@ def test_bf16_fused_silu_mul_rounds_where_hf_rounds(rows, inter):
     """bf16: silu rounded, then times up and rounded, as F.silu(gate) * up in bf16; exp differs from
     PyTorch's within an fp32 ulp, so an element could be one bf16 ulp off (none is on these draws; the
     gates below exp's flush point are the test after this one)."""
-    if cpu_ext.load() is None:
-        pytest.fail("the CPU kernels must build here (CI has a compiler)")
+    built_cpu_ext()
     gen = torch.Generator().manual_seed(7)
     gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 6).bfloat16()
     gate_up[0, :4] = torch.tensor([float("nan"), 200.0, -200.0, 0.0])
@@ -184,8 +181,7 @@ def test_bf16_fused_silu_mul_rounds_where_hf_rounds(rows, inter):
 
 @pytest.mark.parametrize("rows,inter", [(1, 1536), (64, 1536), (3, 24)])
 def test_fused_silu_mul_is_within_ulps_of_fp64_and_keeps_nan_and_extremes(rows, inter):
-    if cpu_ext.load() is None:
-        pytest.fail("the CPU kernels must build here (CI has a compiler)")
+    built_cpu_ext()
     gen = torch.Generator().manual_seed(4)
     gate_up = torch.randn(rows, 2 * inter, generator=gen) * 6
     gate_up[0, :4] = torch.tensor([float("nan"), 200.0, -200.0, 0.0])  # exp(-g) overflows in PyTorch's form
@@ -208,8 +204,7 @@ def test_fused_silu_mul_below_exps_flush_point_is_pytorchs(dtype):
     """Gates in [-88.72, -87.3), where exp(gate) is no longer a normal float but PyTorch's
     gate / (1 + exp(-gate)) still is (about -5e-37), times an up of 1e30: PyTorch's value in the vector
     lanes as in the tail (fp32 within a few ulps, bf16 equal), and -0 below, NaN for -inf, as PyTorch."""
-    if cpu_ext.load() is None:
-        pytest.fail("the CPU kernels must build here (CI has a compiler)")
+    built_cpu_ext()
     # bf16's own values (its spacing is 0.5 here): three in the window, one above it, two below, -inf, 0
     gates = torch.tensor([-87.5, -88.0, -88.5, -87.0, -89.0, -200.0, float("-inf"), 0.0])
     inter = 40  # columns 0-31 in the vector lanes, 32-39 in the tail
@@ -235,8 +230,7 @@ def test_fused_silu_mul_below_exps_flush_point_is_pytorchs(dtype):
 def test_the_model_takes_the_fused_ops_only_for_fp32_or_bf16_rows_of_one_dtype():
     from loraplex.engine import model
 
-    if cpu_ext.load() is None:
-        pytest.fail("the CPU kernels must build here (CI has a compiler)")
+    built_cpu_ext()
     assert model._fused_ext(torch.randn(4, 8)) is cpu_ext.load()
     assert model._fused_ext(torch.randn(4, 8, dtype=torch.bfloat16)) is cpu_ext.load()
     assert model._fused_ext(torch.randn(4, 8), torch.randn(4, 8, dtype=torch.bfloat16)) is None

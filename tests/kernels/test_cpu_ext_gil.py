@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from loraplex.engine.model import RotaryEmbedding
-from loraplex.kernels import cpu_ext, cpu_gemm
+from loraplex.kernels import cpu_gemm
 from loraplex.kernels.cpu_greedy import norms_rounded_up
+from tests.helpers import built_cpu_ext
 
 
 def _counts_during(fn, seconds: float = 2.0, batch: int = 8) -> int:
@@ -58,11 +59,6 @@ def _counts_during(fn, seconds: float = 2.0, batch: int = 8) -> int:
         sys.setswitchinterval(old)
 
 
-def _ext():
-    ext = cpu_ext.load()
-    if ext is None:
-        pytest.fail("the CPU kernels must build here (CI has a compiler)")
-    return ext
 
 
 def _isa() -> str:
@@ -75,7 +71,7 @@ def _isa() -> str:
 
 def _case(name: str):
     """The kernel `name` on inputs that keep it busy for a millisecond or more."""
-    ext, gen = _ext(), torch.Generator().manual_seed(0)
+    ext, gen = built_cpu_ext(), torch.Generator().manual_seed(0)
     if name == "add_rms_norm":
         x, r, w = torch.randn(512, 2048, generator=gen), torch.randn(512, 2048, generator=gen), torch.ones(2048)
         return lambda: ext.add_rms_norm(x, r, w, 1e-5)

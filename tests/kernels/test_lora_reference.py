@@ -10,6 +10,7 @@ from loraplex.kernels.cpu_packed import add_lora_packed
 from loraplex.kernels.metadata import build_lora_meta
 from loraplex.kernels.reference import add_lora_segmented
 from loraplex.kernels.weights import LoRAWeights
+from tests.helpers import built_cpu_ext
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -111,8 +112,8 @@ def test_auto_picks_the_cpu_path_measured_fastest(monkeypatch, dtype, num_tokens
         return cpu_ext.load() if runs else None
 
     monkeypatch.setattr(lora_ops.cpu_ext, "get", get)
-    if dtype == torch.float32 and kernel and cpu_ext.load() is None:
-        pytest.fail("the CPU kernels must build here (CI has a compiler)")
+    if dtype == torch.float32 and kernel:
+        built_cpu_ext()
     # a CPU step on every machine: the choice among CPU paths is made for CPU tensors only
     meta = build_lora_meta([t % num_adapters for t in range(num_tokens)], "cpu", slot_ranks=[8] * 64)
     w = LoRAWeights.empty(64, 8, 8, 8, dtype, "cpu")
