@@ -197,8 +197,6 @@ def test_fused_silu_mul_is_within_ulps_of_fp64_and_keeps_nan_and_extremes(rows, 
         cpu_ext.load().silu_mul(torch.randn(2, 7))
 
 
-@pytest.mark.xfail(strict=True, reason="known: the vector lanes flush gates in [-88.72, -87.3) to -0 (silu_mul's "
-                   "comment); computing that window in the loop cost the fp32 vllm preset 8%")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_silu_mul_below_exps_flush_point_is_pytorchs(dtype):
     """Gates in [-88.72, -87.3), where exp(gate) is no longer a normal float but PyTorch's

@@ -35,6 +35,7 @@ using loraplex_attention::vec::as_stored;
 using loraplex_attention::vec::exp_nonpositive;
 using loraplex_attention::vec::kLanes;
 using loraplex_attention::vec::load;
+using loraplex_attention::vec::splat;
 using loraplex_attention::vec::store;
 using loraplex_attention::vec::stored;
 using loraplex_attention::vec::VecOf;
@@ -83,18 +84,32 @@ LORAPLEX_CLONES void add_rms_norm_rows(T* x, const T* r, const T* w, T* out, int
 
 // silu(g) from e = exp(-|g|) <= 1 (exp of a non-positive number, never overflowing): g / (1 + e) for
 // g >= 0, PyTorch's own expression there; (g x e) / (1 + e) below, where PyTorch's exp(-g) can overflow
-// to inf (its quotient is then -0). exp_nonpositive flushes below -87.3, so in the vector lanes a gate in
-// [-88.72, -87.3) gives -0 where PyTorch gives about -5e-37 (the tail, on std::exp, gives PyTorch's value):
-// an absolute difference of 5e-37 x up, large only for an up near 1e30 (a fix that costs no speed is
-// still to find: computing that window in the same loop made the fp32 vllm preset 8% slower). NaN stays NaN.
+// to inf (its quotient is then -0). exp_nonpositive flushes e to 0 below -87.3, where exp(g) leaves the
+// normal floats, but PyTorch's g / (1 + exp(-g)) is still a normal float (about -5e-37) down to
+// -88.72 (exp(-g) overflows below it). So the numerator is built from exp's reduced form e = y x 2^n
+// (`exp_reduced`), as below. NaN stays NaN.
 template <int W, typename T>
 LORAPLEX_CLONES void silu_mul_span(const T* g, const T* u, T* o, int64_t I) {
   using V = typename VecOf<W>::f;
+  using VI = typename VecOf<W>::i;
   const int64_t Iv = I / kLanes * kLanes;  // the same tail as with 16 lanes
   for (int64_t i = 0; i < Iv; i += W) {
     const V gv = load<W>(g + i);
-    const V e = exp_nonpositive(gv < 0.f ? gv : -gv);
-    const V num = gv >= 0.f ? gv : gv * e;
+    V y, n;
+    const V x = gv < 0.f ? gv : -gv;  // -|g|
+    const V e = exp_nonpositive(x, y, n);
+    // g x e = (g x y) x 2^n with 2^n as two normal factors, 2^max(n, -126) and 2^(max(n, -128) -
+    // max(n, -126)) (1, 1/2 or 1/4), each product exact while the result is a normal float: the same
+    // bits as g x e where e is not flushed, and PyTorch's value (within a few ulps) in the window.
+    // (Each select tests one comparison: GCC expands a select on a mask used twice lane by lane in
+    // the avx512f clone, five times slower.)
+    const V clamped = n >= -126.f ? n : splat<V>(-126.f);  // NaN: -126 (the lane takes g x e, NaN)
+    const V lowest = n >= -128.f ? n : splat<V>(-128.f);
+    const V scale = reinterpret_cast<V>((__builtin_convertvector(clamped, VI) + 127) << 23);
+    const V rest = reinterpret_cast<V>((__builtin_convertvector(lowest - clamped, VI) + 127) << 23);
+    const V scaled = ((gv * y) * scale) * rest;
+    // below -88.72 (PyTorch's exp(-g) is inf there): g x e, that is -0, and NaN for -inf
+    const V num = gv >= 0.f ? gv : (x >= -88.72283172607421875f ? scaled : gv * e);
     store<W>(o + i, as_stored<T>(num / (e + 1.f)) * load<W>(u + i));  // store rounds the product
   }
   for (int64_t i = Iv; i < I; ++i) {
