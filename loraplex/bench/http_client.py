@@ -4,9 +4,9 @@
 `run_http` starts the server (`serve_subprocess`: a fresh LORAPLEX_HOME whose `models/` links to the
 normal model cache, so nothing is downloaded or converted again), makes one unlimited tenant per
 workload tenant with a key, uploads every adapter to the tenants whose requests use it, warms each
-model up once, then gives the server the in-process engine's warm-up (`Workload.warm_up`: the first 32
-requests at once, 8 tokens each), so both systems start their timed runs equally warm; then it replays
-the workload: each request is an asyncio task that sleeps until its arrival and streams `/v1/completions`
+model up once (every adapter read and loaded), then gives the server the warm-up the in-process engine
+gets (`Workload.warm_up`: the first 32 requests at once, 8 tokens each, prompts reversed), so that a
+fresh server's first timed steps do not pay for first-touch allocations; then it replays the workload: each request is an asyncio task that sleeps until its arrival and streams `/v1/completions`
 with the prompt's token ids, greedy, `ignore_eos` (each row makes exactly `output_len` tokens).
 
 The client is aiohttp with `json.loads` on each SSE event, as vLLM's serving benchmark
@@ -267,7 +267,7 @@ async def _bench(
         )
     try:
         # Warm-up, untimed: every model of every tenant once (each adapter registered and loaded), then
-        # the in-process engine's warm-up (`Workload.warm_up`) on this fresh server.
+        # the warm-up of the in-process engine (`Workload.warm_up`) on this fresh server.
         one_each = {(r.tenant, r.adapter): r for r in workload.requests}  # per tenant and model
         for warm in ([BenchRequest(0.0, r.tenant, r.adapter, r.prompt_token_ids[:4], 2) for r in one_each.values()],
                      workload.warm_up()):

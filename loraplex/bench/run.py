@@ -232,6 +232,7 @@ class Bench:
 
             env = {"LORAPLEX_MAX_LORAS": str(self.preset.max_loras), "LORAPLEX_MAX_LORA_RANK": "64",
                    "LORAPLEX_MAX_NUM_SEQS": str(self.preset.max_num_seqs), "LORAPLEX_DTYPE": self.preset.dtype,
+                   "LORAPLEX_MAX_CPU_LORAS": str(self.preset.max_cpu_loras),  # the in-process engine's bound
                    "LORAPLEX_MODEL": self.preset.model, "LORAPLEX_NUM_THREADS": str(self.threads),
                    "LORAPLEX_ENABLE_PREFIX_CACHING": "false",
                    # room to queue the whole workload (serve_subprocess lifts the queue-wait bound)

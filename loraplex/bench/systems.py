@@ -213,7 +213,7 @@ def run_vllm_many(python: Path, workloads: list[Workload], adapter_dirs: dict[st
            "max_num_batched_tokens": max_num_batched_tokens, "cpus": sorted(os.sched_getaffinity(0))[:threads],
            "max_lora_rank": max_lora_rank,
            "adapters": {name: str(adapter_dirs[name]) for name in used} if lora else {},
-           "warmup": [dict(r, output_len=8, arrival_s=0.0) for r in as_job(workloads[0].requests[:8])],
+           "warmup": as_job(workloads[0].warm_up()),  # the warm-up our engine gets
            "runs": [as_job(w.requests) for w in workloads]}
     job_path, result_path = workdir / "vllm-job.json", workdir / "vllm-result.json"
     job_path.write_text(json.dumps(job))

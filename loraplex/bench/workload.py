@@ -118,11 +118,12 @@ class Workload:
         return Workload(self.spec, reqs)
 
     def warm_up(self, num_requests: int = 32, output_len: int = 8) -> list[BenchRequest]:
-        """The untimed warm-up of every loraplex system, in process and over HTTP: the first `num_requests`
-        requests, all at time 0, `output_len` tokens each, so the first timed steps do not pay for
-        first-touch allocations of a large batch (KV blocks, activations) and the most used adapters sit
-        in their slots."""
-        return [BenchRequest(0.0, r.tenant, r.adapter, r.prompt_token_ids, output_len)
+        """The untimed warm-up of every system the bench runs (in process, over HTTP, vLLM): the first
+        `num_requests` requests, all at time 0, at most `output_len` tokens each, so the first timed steps
+        do not pay for first-touch allocations of a large batch (KV blocks, activations) and the most used
+        adapters sit in their slots. Each prompt is reversed: the same lengths, token ids and adapters, but
+        no KV block a prefix cache could serve to the timed request that starts the same way."""
+        return [BenchRequest(0.0, r.tenant, r.adapter, r.prompt_token_ids[::-1], min(output_len, r.output_len))
                 for r in self.requests[:num_requests]]
 
 

@@ -81,14 +81,17 @@ def test_infinite_rate_puts_every_arrival_at_zero():
     assert [r.arrival_s for r in w.requests] == [0.0] * 5
 
 
-def test_warm_up_is_the_first_requests_at_once_with_short_outputs():
-    w = generate(WorkloadSpec(num_adapters=4, num_requests=40, rate=2.0, output_len=(30, 60)))
+def test_warm_up_is_the_first_requests_at_once_reversed_with_short_outputs():
+    spec = WorkloadSpec(num_adapters=4, num_requests=40, rate=2.0, output_len=(4, 60))
+    w = generate(spec)
     warm = w.warm_up()
     assert len(warm) == 32
-    assert [(r.tenant, r.adapter, r.prompt_token_ids) for r in warm] == [
+    assert [(r.tenant, r.adapter, r.prompt_token_ids[::-1]) for r in warm] == [
         (r.tenant, r.adapter, r.prompt_token_ids) for r in w.requests[:32]]
-    assert {r.arrival_s for r in warm} == {0.0} and {r.output_len for r in warm} == {8}
-    assert [r.output_len for r in w.requests[:32]] != [8] * 32  # the workload itself is left as it was
+    assert {r.arrival_s for r in warm} == {0.0}
+    assert [r.output_len for r in warm] == [min(8, r.output_len) for r in w.requests[:32]]
+    assert any(r.output_len < 8 for r in w.requests[:32]) and any(r.output_len > 8 for r in w.requests[:32])
+    assert w.requests == generate(spec).requests  # the workload itself is left as it was
     assert len(w.warm_up(num_requests=100, output_len=2)) == 40
 
 

@@ -59,8 +59,6 @@ def _counts_during(fn, seconds: float = 2.0, batch: int = 8) -> int:
         sys.setswitchinterval(old)
 
 
-
-
 def _isa() -> str:
     """Our GEMM's ISA on this CPU (what the engine's base linears take for fp32 weights)."""
     isa = cpu_gemm.resolve("auto", torch.float32)

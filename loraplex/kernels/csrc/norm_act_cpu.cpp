@@ -99,8 +99,9 @@ LORAPLEX_CLONES void silu_mul_span(const T* g, const T* u, T* o, int64_t I) {
     const V x = gv < 0.f ? gv : -gv;  // -|g|
     const V e = exp_nonpositive(x, y, n);
     // g x e = (g x y) x 2^n with 2^n as two normal factors, 2^max(n, -126) and 2^(max(n, -128) -
-    // max(n, -126)) (1, 1/2 or 1/4), each product exact while the result is a normal float: the same
-    // bits as g x e where e is not flushed, and PyTorch's value (within a few ulps) in the window.
+    // max(n, -126)) (1, 1/2 or 1/4): g x y is rounded once and both scalings are exact while the result
+    // is a normal float, so the same bits as g x e where e is not flushed, and PyTorch's value (within a
+    // few ulps) in the window.
     // (Each select tests one comparison: GCC expands a select on a mask used twice lane by lane in
     // the avx512f clone, five times slower.)
     const V clamped = n >= -126.f ? n : splat<V>(-126.f);  // NaN: -126 (the lane takes g x e, NaN)
