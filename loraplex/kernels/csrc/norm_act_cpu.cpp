@@ -35,6 +35,7 @@ using loraplex_attention::vec::as_stored;
 using loraplex_attention::vec::exp_nonpositive;
 using loraplex_attention::vec::kLanes;
 using loraplex_attention::vec::load;
+using loraplex_attention::vec::pow2;
 using loraplex_attention::vec::splat;
 using loraplex_attention::vec::store;
 using loraplex_attention::vec::stored;
@@ -91,7 +92,6 @@ LORAPLEX_CLONES void add_rms_norm_rows(T* x, const T* r, const T* w, T* out, int
 template <int W, typename T>
 LORAPLEX_CLONES void silu_mul_span(const T* g, const T* u, T* o, int64_t I) {
   using V = typename VecOf<W>::f;
-  using VI = typename VecOf<W>::i;
   const int64_t Iv = I / kLanes * kLanes;  // the same tail as with 16 lanes
   for (int64_t i = 0; i < Iv; i += W) {
     const V gv = load<W>(g + i);
@@ -106,9 +106,7 @@ LORAPLEX_CLONES void silu_mul_span(const T* g, const T* u, T* o, int64_t I) {
     // the avx512f clone, five times slower.)
     const V clamped = n >= -126.f ? n : splat<V>(-126.f);  // NaN: -126 (the lane takes g x e, NaN)
     const V lowest = n >= -128.f ? n : splat<V>(-128.f);
-    const V scale = reinterpret_cast<V>((__builtin_convertvector(clamped, VI) + 127) << 23);
-    const V rest = reinterpret_cast<V>((__builtin_convertvector(lowest - clamped, VI) + 127) << 23);
-    const V scaled = ((gv * y) * scale) * rest;
+    const V scaled = ((gv * y) * pow2(clamped)) * pow2(lowest - clamped);
     // below -88.72 (PyTorch's exp(-g) is inf there): g x e, that is -0, and NaN for -inf
     const V num = gv >= 0.f ? gv : (x >= -88.72283172607421875f ? scaled : gv * e);
     store<W>(o + i, as_stored<T>(num / (e + 1.f)) * load<W>(u + i));  // store rounds the product

@@ -123,16 +123,21 @@ LORAPLEX_INLINE typename VecOf<W>::i lane_index() {
   return r;
 }
 
+// 2^k lane by lane, built from its exponent bits: k integral and in [-126, 127] (a normal float).
+template <typename V>
+LORAPLEX_INLINE V pow2(V k) {
+  using I = typename VecOf<lanes_of<V>()>::i;
+  return reinterpret_cast<V>((__builtin_convertvector(k, I) + 127) << 23);
+}
+
 // exp(x) for x <= 0, lane by lane: paged_attention_cpu.cpp's exp_nonpositive (Cephes' expf, within
 // 1 ulp on [-87, 0]; 0 below -87.3 and for -inf; NaN stays NaN) on a vector.
 // Also gives exp's reduced form, exp(x) = y x 2^n (`exp_reduced`), for what the flush drops.
 template <typename V>
 LORAPLEX_INLINE V exp_nonpositive(V x, V& y, V& n) {
-  using I = typename VecOf<lanes_of<V>()>::i;
   y = exp_reduced(x, n);
   const V clamped = n >= -126.f ? n : splat<V>(-126.f);  // NaN: -126 (y is NaN then anyway)
-  const V scale = reinterpret_cast<V>((__builtin_convertvector(clamped, I) + 127) << 23);
-  return x < -87.3f ? V{} : y * scale;
+  return x < -87.3f ? V{} : y * pow2(clamped);
 }
 
 template <typename V>
