@@ -63,12 +63,19 @@ bool decode_supported(int64_t D);
 // Floats of one thread's scratch for decode_rows with nH query heads.
 int64_t decode_scratch(int64_t nH, int64_t D);
 
+// The decode work item a thread is likely to take after the current one (request seq over ctx keys, kv
+// heads g0 .. g0 + ng - 1), whose first keys decode_rows asks into the cache during its last chunk; seq
+// -1: none. A hint only: a wrong guess costs the prefetched lines, never a result.
+struct Ahead {
+  int64_t seq = -1, ctx = 0, g0 = 0, ng = 0;
+};
+
 // The decode of query row `row` of request `seq` over its keys 0 .. ctx - 1, kv heads g0 .. g0 + ng - 1
 // (out[row, h] for their query heads), in fp32. scratch: decode_scratch floats, 64-byte aligned.
 void decode_rows(const Args<float>& a, int64_t row, int64_t seq, int64_t ctx, int64_t g0, int64_t ng,
-                 float* scratch);
+                 float* scratch, const Ahead& ahead);
 void decode_rows(const Args<c10::BFloat16>& a, int64_t row, int64_t seq, int64_t ctx, int64_t g0, int64_t ng,
-                 float* scratch);
+                 float* scratch, const Ahead& ahead);
 
 // Floats of one thread's scratch for prefill_rows with M = n x G queries.
 int64_t prefill_scratch(int64_t M, int64_t D);

@@ -220,7 +220,16 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
       const int64_t* t = tl + it.tile * 4;
       if constexpr (vector_dtype) {
         if (vectors && t[1] == 1) {
-          loraplex_attention::decode_rows(a, t[0], t[2], t[3], it.g0, it.ng, scratch);
+          // the item this thread likely takes next: with one worker the next one, with more a guess (each
+          // takes the next free item as it finishes one)
+          loraplex_attention::Ahead ahead;
+          const int64_t w2 = w + workers;
+          if (w2 < static_cast<int64_t>(items.size())) {
+            const Item& nx = items[w2];
+            const int64_t* t2 = tl + nx.tile * 4;
+            if (t2[1] == 1) ahead = {t2[2], t2[3], nx.g0, nx.ng};
+          }
+          loraplex_attention::decode_rows(a, t[0], t[2], t[3], it.g0, it.ng, scratch, ahead);
           continue;
         }
         if (vectors) {

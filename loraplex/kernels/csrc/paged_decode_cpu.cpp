@@ -4,15 +4,17 @@
 //
 // One work item is a decode row and its kv heads g0 .. g0 + ng - 1 (all of them on one thread), and H =
 // ng x G query heads. For each chunk of W keys:
-//   scores:  key by key, and for each key its kv heads in address order (the K row of a key is its ng
-//            heads side by side), each kv head's G query heads in blocks of up to 3 (qk_key): 3
-//            accumulators of W partial sums over D, one per query head, while each K vector is loaded
-//            once for the 3 heads; the W vectors of partial sums per head are reduced to one vector of W
-//            scores by a transpose-and-add tree (14 two-vector shuffles and 7 adds at W = 8). Reading the
-//            rows in address order, rather than one kv head of W keys at a time (rows 768 bytes apart),
-//            took 64 decodes over 30 cold layers from 36.3-43.0 to 32.7 ms on a Zen 4 EPYC (AVX-512;
-//            scripts/attn-bench, best of 5 in two alternating runs, blocks laid out as the engine hands
-//            them out; 40.3-42.4 to 38.1-39.9 ms with the blocks shuffled);
+//   scores:  four keys at a time, and for each four their kv heads in address order (the K row of a
+//            key is its ng heads side by side), each kv head's G query heads in blocks of up to 3
+//            (qk_keys4): 3 x 4 accumulators of W partial sums over D, one per query head and key, each K
+//            vector loaded once for the 3 heads and each query vector once for the 4 keys; the W vectors
+//            of partial sums per head are reduced to one vector of W scores by a transpose-and-add tree
+//            (14 two-vector shuffles and 7 adds at W = 8). Reading the rows in address order, rather
+//            than one kv head of W keys at a time (rows 768 bytes apart), took 64 decodes over 30 cold
+//            layers from 36.3-43.0 to 32.7 ms on a Zen 4 EPYC (AVX-512; scripts/attn-bench, best of 5 in
+//            two alternating runs, blocks laid out as the engine hands them out; 40.3-42.4 to 38.1-39.9
+//            ms with the blocks shuffled). One key at a time, the query vectors were loaded again for
+//            every key (36 query heads' vectors do not fit the registers): 18 loads per 12 FMAs;
 //   softmax: the online softmax of Milakov & Gimelshein (2018) on that vector, in vectors: the running
 //            max by a butterfly over the lanes, the running sum kept by lane (added up once at the end),
 //            the accumulator rescaled once per chunk, exp as a vector;
@@ -27,7 +29,12 @@
 // 132-147 ms with the previous loop (one head at a time, a dot product as one FMA chain), 90-103 ms with
 // this one; a plain read of the same K/V takes 70-80 ms (docs/performance.md). The rate (lines a step)
 // comes from the count of steps a whole chunk takes (chunk_steps), so the first chunk covers the second
-// too; after it, from the previous chunk's count. K and V rows are read in place from the
+// too; after it, from the previous chunk's count. During an item's last chunk, the first chunk of the
+// item the thread is likely to take next (Ahead) is asked for the same way: the first chunk of an item
+// was otherwise read cold, a twelfth of a 64-row step's K/V at the vllm preset's contexts. 64 decodes
+// over 30 cold layers on a Zen 4 EPYC (scripts/attn-bench with two builds in turns, medians of 15):
+// 33.1 ms before, 29.1 ms with both changes (31.4 with four keys at a time alone), against 20.7 ms for
+// a plain read of the caches. K and V rows are read in place from the
 // cache (bf16 rows widened as they are loaded); keys past a row's context are never read (a chunk's
 // missing keys repeat its last key, masked to -inf). Sums run in another order than the general loop's,
 // so the two differ in the last bits (both within fp32 rounding of fp64 attention, tested).
@@ -78,10 +85,11 @@ LORAPLEX_INLINE v8 transpose_sum(const v8* t) {
          LORAPLEX_SHUFFLE8(b[0], b[1], 1, 3, 9, 11, 5, 7, 13, 15);
 }
 
-// The next chunk's K and V rows, asked into L2 (locality 1) a few 64-byte lines per step() as the loops
-// go: rows 2j and 2j + 1 are key j's K and V (span bytes each, the item's heads). `per` lines a step,
-// set so that a chunk's steps cover the next chunk's lines: from the previous chunk's count of steps,
-// or for the first chunk from chunk_steps.
+// The next chunk's K and V rows (in an item's last chunk, the first chunk of the item expected next),
+// asked into L2 (locality 1) a few 64-byte lines per step() as the loops go: rows 2j and 2j + 1 are key
+// j's K and V (span bytes each, the item's heads). `per` lines a step, set so that a chunk's steps cover
+// the next chunk's lines: from the previous chunk's count of steps, or for the first chunk from
+// chunk_steps.
 struct Prefetcher {
   const char* row[2 * kLanes];
   int64_t rows = 0, r = 0, off = 0, span = 0, steps = 0;
@@ -120,20 +128,28 @@ struct SlotWalk {
 template <int ND, int MH>
 constexpr int pv_cols() { return ND < (MH == 1 ? 8 : 4) ? ND : (MH == 1 ? 8 : 4); }
 
-// dots[m x W] (m < MH: vectors of W partial sums over D) = q_m . k for MH query heads of one kv head (q:
-// [MH, ND] vectors, scaled) and one key (k: its row of the kv head), MH accumulators over the ND vectors.
-// One key at a time, so that the chunk's K rows are read in address order (see decode).
+// dots[m x W + i] (m < MH, i < 4: vectors of W partial sums over D) = q_m . k_i for MH query heads of one
+// kv head (q: [MH, ND] vectors, scaled) and four keys (k[i]: key i's row of the kv head), 4 MH
+// accumulators over the ND vectors: each q vector is loaded once for the four keys (4 K + MH q loads per
+// 4 MH FMAs). Four Prefetcher steps, one per key, spread over the ND vectors.
 template <typename T, int ND, int W, int MH>
-LORAPLEX_INLINE void qk_key(const typename VecOf<W>::f* q, const T* k, typename VecOf<W>::f* dots, Prefetcher& pf) {
+LORAPLEX_INLINE void qk_keys4(const typename VecOf<W>::f* q, const T* const* k, typename VecOf<W>::f* dots,
+                              Prefetcher& pf) {
   using V = typename VecOf<W>::f;
-  pf.step();
-  V s[MH];
-  for (int m = 0; m < MH; ++m) s[m] = V{};
+  V s[MH][4];
+  for (int m = 0; m < MH; ++m)
+    for (int i = 0; i < 4; ++i) s[m][i] = V{};
   for (int c = 0; c < ND; ++c) {
-    const V kc = load<W>(k + c * W);
-    for (int m = 0; m < MH; ++m) s[m] += q[m * ND + c] * kc;
+    for (int t = (c * 4) / ND; t < ((c + 1) * 4) / ND; ++t) pf.step();
+    V kc[4];
+    for (int i = 0; i < 4; ++i) kc[i] = load<W>(k[i] + c * W);
+    for (int m = 0; m < MH; ++m) {
+      const V qm = q[m * ND + c];
+      for (int i = 0; i < 4; ++i) s[m][i] += qm * kc[i];
+    }
   }
-  for (int m = 0; m < MH; ++m) dots[m * W] = s[m];
+  for (int m = 0; m < MH; ++m)
+    for (int i = 0; i < 4; ++i) dots[m * W + i] = s[m][i];
 }
 
 // acc[m] <- acc[m] x corr[m] + sum over j < nk of p[m][j] V_j (vr[j] + head: key j's V row of the kv
@@ -165,7 +181,7 @@ LORAPLEX_INLINE void pv_block(typename VecOf<W>::f* acc, const typename VecOf<W>
 }
 
 // The Prefetcher steps that one chunk of W keys takes in `decode` for a block of MH query heads
-// (qk_key's one per key, pv_block's one per key and pv_cols vectors), and for ng kv heads of G
+// (qk_keys4's one per key, pv_block's one per key and pv_cols vectors), and for ng kv heads of G
 // query heads each, in blocks of 3 then 2 or 1 as the loops below run them.
 template <int ND, int W, int MH>
 constexpr int64_t block_steps() { return W + ND / pv_cols<ND, MH>() * W; }
@@ -181,7 +197,7 @@ constexpr int64_t chunk_steps(int64_t G, int64_t ng) {
 // end), corr [H].
 template <typename T, int ND, int W>
 LORAPLEX_CLONES void decode(const Args<T>& a, int64_t row, int64_t seq, int64_t ctx, int64_t g0, int64_t ng,
-                            float* scratch) {
+                            float* scratch, const Ahead& ahead) {
   using V = typename VecOf<W>::f;
   using VI = typename VecOf<W>::i;
   const int64_t G = a.G, H = ng * G;
@@ -221,23 +237,34 @@ LORAPLEX_CLONES void decode(const Args<T>& a, int64_t row, int64_t seq, int64_t 
     }
     // the next chunk's rows, spread over this chunk's steps (next > 0 only after a whole chunk, nk = W)
     const int64_t next = std::max<int64_t>(0, std::min<int64_t>(W, ctx - start - W));
-    if (pf.steps > 0) pf.per = std::max<int64_t>(1, (2 * next * ((pf.span + 63) / 64) + pf.steps - 1) / pf.steps);
-    pf.rows = pf.r = pf.off = pf.steps = 0;
+    pf.rows = pf.r = pf.off = 0;
     for (int64_t j = 0; j < next; ++j) {
       slot = keys.next();
       pf.row[pf.rows++] = reinterpret_cast<const char*>(a.k + slot * a.slot_stride + first);
       pf.row[pf.rows++] = reinterpret_cast<const char*>(a.v + slot * a.slot_stride + first);
     }
-    // the scores key by key, each key's row of the item's heads in address order; each kv head's G
+    if (next == 0 && ahead.seq >= 0 && ahead.ng == ng) {  // the last chunk: the next item's first chunk
+      SlotWalk later{a.tables + ahead.seq * a.table_stride, a.bs, 0};
+      const int64_t heads = ahead.g0 * a.kv_head;
+      for (int64_t j = 0; j < std::min<int64_t>(W, ahead.ctx); ++j) {
+        const int64_t at = later.next();
+        pf.row[pf.rows++] = reinterpret_cast<const char*>(a.k + at * a.slot_stride + heads);
+        pf.row[pf.rows++] = reinterpret_cast<const char*>(a.v + at * a.slot_stride + heads);
+      }
+    }
+    if (pf.steps > 0) pf.per = std::max<int64_t>(1, (pf.rows * ((pf.span + 63) / 64) + pf.steps - 1) / pf.steps);
+    pf.steps = 0;
+    // the scores four keys at a time, their rows of the item's heads in address order; each kv head's G
     // query heads in blocks of 3, then 2 or 1 (no lambdas here: they would not be compiled for the
     // clone's target)
-    for (int64_t j = 0; j < W; ++j) {
+    for (int64_t j = 0; j < W; j += 4) {
       for (int64_t gi = 0; gi < ng; ++gi) {
-        const T* k = kr[j] + gi * a.kv_head;
+        const T* k[4] = {kr[j] + gi * a.kv_head, kr[j + 1] + gi * a.kv_head, kr[j + 2] + gi * a.kv_head,
+                         kr[j + 3] + gi * a.kv_head};
         int64_t h = gi * G;
-        for (; h + 3 <= (gi + 1) * G; h += 3) qk_key<T, ND, W, 3>(qf + h * ND, k, dots + h * W + j, pf);
-        if ((gi + 1) * G - h == 2) qk_key<T, ND, W, 2>(qf + h * ND, k, dots + h * W + j, pf);
-        else if ((gi + 1) * G - h == 1) qk_key<T, ND, W, 1>(qf + h * ND, k, dots + h * W + j, pf);
+        for (; h + 3 <= (gi + 1) * G; h += 3) qk_keys4<T, ND, W, 3>(qf + h * ND, k, dots + h * W + j, pf);
+        if ((gi + 1) * G - h == 2) qk_keys4<T, ND, W, 2>(qf + h * ND, k, dots + h * W + j, pf);
+        else if ((gi + 1) * G - h == 1) qk_keys4<T, ND, W, 1>(qf + h * ND, k, dots + h * W + j, pf);
       }
     }
     // the online softmax on vectors, with no scalar chain over the W lanes: the max by a butterfly, the
@@ -267,10 +294,11 @@ LORAPLEX_CLONES void decode(const Args<T>& a, int64_t row, int64_t seq, int64_t 
 }
 
 template <typename T>
-void dispatch(const Args<T>& a, int64_t row, int64_t seq, int64_t ctx, int64_t g0, int64_t ng, float* scratch) {
+void dispatch(const Args<T>& a, int64_t row, int64_t seq, int64_t ctx, int64_t g0, int64_t ng, float* scratch,
+              const Ahead& ahead) {
   with_lanes(a.D, [&](auto w, auto nd) {
     constexpr int ND = decltype(nd)::value;
-    decode<T, ND, decltype(w)::value>(a, row, seq, ctx, g0, ng, scratch);
+    decode<T, ND, decltype(w)::value>(a, row, seq, ctx, g0, ng, scratch, ahead);
   });
 }
 
@@ -285,13 +313,14 @@ int64_t decode_scratch(int64_t nH, int64_t D) {
   return 2 * nH * D + (nH * kLanes + 4 * nH) * kLanes;  // qf, acc; dots, p, mx, sum, corr (W <= kLanes)
 }
 
-void decode_rows(const Args<float>& a, int64_t row, int64_t seq, int64_t ctx, int64_t g0, int64_t ng, float* scratch) {
-  dispatch(a, row, seq, ctx, g0, ng, scratch);
+void decode_rows(const Args<float>& a, int64_t row, int64_t seq, int64_t ctx, int64_t g0, int64_t ng, float* scratch,
+                 const Ahead& ahead) {
+  dispatch(a, row, seq, ctx, g0, ng, scratch, ahead);
 }
 
 void decode_rows(const Args<c10::BFloat16>& a, int64_t row, int64_t seq, int64_t ctx, int64_t g0, int64_t ng,
-                 float* scratch) {
-  dispatch(a, row, seq, ctx, g0, ng, scratch);
+                 float* scratch, const Ahead& ahead) {
+  dispatch(a, row, seq, ctx, g0, ng, scratch, ahead);
 }
 
 }  // namespace loraplex_attention
