@@ -43,7 +43,8 @@ ROWS = ("base GEMMs", "LoRA", "attention", "lm_head", "norms, RoPE, SiLU, residu
 
 
 class Timers:
-    """Accumulated wall seconds per name while `patched()` is active."""
+    """Accumulated wall seconds per name while `patched()` is active (the decoder layers then run their
+    pieces through Python, not as one `decoder_layer` call, so that each piece is timed)."""
 
     def __init__(self):
         self.seconds: dict[str, float] = defaultdict(float)
@@ -89,13 +90,16 @@ class Timers:
         originals = [getattr(obj, name) for obj, name in saved]
         names = ["attention", "projections", None, "sampling", "metadata", "lm_head", "lm_head", "scheduling",
                  "scheduling"]
+        fused_layer = model_mod.FUSED_LAYER
         try:
+            model_mod.FUSED_LAYER = False  # each piece through its Python call, where the wrappers time it
             nn.Linear.forward = linear
             for (obj, attr), fn, name in zip(saved, originals, names, strict=True):
                 setattr(obj, attr, base if name is None else self.wrap(name, fn))
             engine.model.forward = self.wrap("forward", engine.model.forward)
             yield self
         finally:
+            model_mod.FUSED_LAYER = fused_layer
             nn.Linear.forward = linear_forward
             for (obj, attr), fn in zip(saved, originals, strict=True):
                 if isinstance(obj, type(model_mod)):

@@ -14,13 +14,16 @@ HF's ops; bf16: HF's roundings, with rare flips).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraplex.engine import attention
 from loraplex.engine.attention import AttentionMetadata, paged_attention
-from loraplex.kernels import LoRAMeta, LoRAWeights, base_linear, cpu_ext, cpu_greedy, lora_linear
-from loraplex.kernels.cpu_gemm import silu_mul_linear
+from loraplex.kernels import LoRAMeta, LoRAWeights, base_linear, cpu_ext, cpu_gemm, cpu_greedy, lora_linear
+from loraplex.kernels.cpu_gemm import OURS, packed_current, silu_mul_linear
 from loraplex.model_config import ModelConfig
 
 
@@ -103,6 +106,7 @@ class RotaryEmbedding(nn.Module):
 
 
 FUSED_ELEMENTWISE = True  # residual add + RMSNorm and SiLU x up on the compiled kernel where it runs
+FUSED_LAYER = True  # a whole decoder layer in one call of the compiled kernel where every piece runs there
 FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what the compiled RoPE, add + RMSNorm and SiLU x up take
 
 
@@ -198,7 +202,14 @@ class DecoderLayer(nn.Module):
 
         rows [B] (optional): after attention (which writes every row's K/V), only these rows go on, on a
         copy of theirs of x (x itself is then left as attention found it), and the result is [B, H];
-        rows_lora is their `LoRAMeta` (None without adapters)."""
+        rows_lora is their `LoRAMeta` (None without adapters).
+
+        Without adapters or rows, where every kernel below would run compiled on fp32 (`_one_call`), the
+        layer is one call of the extension: the same kernels in the same order, the same bits."""
+        if rows is None and lora is None and FUSED_LAYER:
+            out = self._one_call(x, h, positions, kv_cache, attn, next_norm)
+            if out is not None:
+                return out
         a = self.self_attn(h, positions, kv_cache, attn, lora)  # [T, H]
         if rows is not None:
             x, a, lora = x[rows], a[rows], rows_lora  # [B, H]
@@ -206,6 +217,71 @@ class DecoderLayer(nn.Module):
                 return x
         h = self.post_attention_layernorm.add_norm(x, a)
         return next_norm.add_norm(x, self.mlp(h, lora))
+
+    def _one_call(self, x, h, positions, kv_cache, attn: AttentionMetadata, next_norm: RMSNorm):
+        """`forward` without adapters or rows, as one call of `decoder_layer` (kernels/csrc/layer_cpu.cpp),
+        or None where the Python path would take another kernel for any piece: then it runs as before.
+
+        The call takes what the Python path would: the four projections on our packed fp32 GEMM (each
+        weight still the one packed, T in its row range), RoPE, add + RMSNorm and SiLU x up on the
+        compiled kernels, attention on the kernel's vector loops. The checks that stay fixed while the
+        weights do are made once and kept (`_LayerPlan`, made again when a module gains or drops a packed
+        copy); per call, the weights' storage is checked again, so a weight re-bound since packing sends
+        the layer back to the Python path."""
+        plan = self.__dict__.get("_plan")
+        if plan is None or plan.next_norm is not next_norm or plan.generation != cpu_gemm.generation:
+            plan = self._plan = self._make_plan(next_norm)
+        if (plan.args is None or not FUSED_ELEMENTWISE or not attention.PREFILL_KERNEL or x.dtype != torch.float32
+                or kv_cache[0].dtype != torch.float32 or not plan.min_rows <= x.shape[0] <= plan.max_rows):
+            return None
+        for module, ptr in zip(plan.linears, plan.weights, strict=True):
+            if module._parameters["weight"].data_ptr() != ptr:
+                return None
+        qkv_w, qkv_b, o_w, gu_w, down_w, isa, inter, heads, kv_heads, dim, post_w, post_eps, next_w, next_eps = plan.args
+        cos, sin = plan.rope.rows(positions, torch.float32)
+        return cpu_ext.load().decoder_layer(
+            x, h, qkv_w, qkv_b, o_w, gu_w, down_w, isa, inter, cos, sin, heads, kv_heads, dim, kv_cache[0],
+            kv_cache[1], attn.block_tables, attn.tiles(heads // kv_heads), attn.block_size, attn.slot_mapping,
+            post_w, post_eps, next_w, next_eps)
+
+    def _make_plan(self, next_norm: RMSNorm) -> _LayerPlan:
+        """What `_one_call` checks once for this layer and `next_norm` (args None where it cannot run)."""
+        cfg, ext = self.self_attn.cfg, cpu_ext.load()
+        linears = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
+        norms = (self.post_attention_layernorm, next_norm)
+        ok = (ext is not None and hasattr(ext, "decoder_layer")
+              and all(packed_current(m) and m.packed_backend == linears[0].packed_backend in OURS
+                      and m.weight.dtype == torch.float32 for m in linears)
+              and [m.packed_glu for m in linears] == [0, 0, self.mlp.inter, 0]
+              and all(m.bias is None for m in linears[1:])
+              and all(n.weight.dtype == torch.float32 and n.weight.device.type == "cpu" and n.weight.is_contiguous()
+                      for n in norms)
+              and attention.vector_loops(torch.float32, cfg.head_dim)
+              and cfg.num_attention_heads // cfg.num_key_value_heads <= attention.MAX_QUERIES_PER_TILE)
+        if not ok:
+            return _LayerPlan(next_norm, cpu_gemm.generation, 0, -1, (), (), None, None)
+        qkv, o, gate_up, down = linears
+        args = (qkv.packed_weight, qkv.bias, o.packed_weight, gate_up.packed_weight, down.packed_weight,
+                qkv.packed_backend, self.mlp.inter, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                norms[0].weight, norms[0].eps, next_norm.weight, next_norm.eps)
+        return _LayerPlan(next_norm, cpu_gemm.generation, max(m.packed_rows[0] for m in linears),
+                          min(m.packed_rows[1] for m in linears), linears, tuple(m.packed_of[0] for m in linears),
+                          self.self_attn.rope, args)
+
+
+class _LayerPlan(NamedTuple):
+    """`DecoderLayer._one_call`'s checks made once: for this next norm and packing generation, the rows
+    the packed copies take, the four linears (q/k/v, o, gate/up, down) and the data pointers of the
+    weights packed, the RoPE module, and decoder_layer's arguments (None: the layer stays in Python)."""
+
+    next_norm: RMSNorm
+    generation: int
+    min_rows: int
+    max_rows: int
+    linears: tuple
+    weights: tuple
+    rope: RotaryEmbedding | None
+    args: tuple | None
 
 
 class LlamaModel(nn.Module):

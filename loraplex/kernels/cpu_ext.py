@@ -42,7 +42,8 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "module.cpp", CSRC / "bgmv_cpu.cpp", CSRC / "paged_attention_cpu.cpp", CSRC / "paged_decode_cpu.cpp",
            CSRC / "paged_prefill_cpu.cpp", CSRC / "packed_gemm_cpu.cpp", CSRC / "gemm_cpu.cpp",
-           CSRC / "greedy_head_cpu.cpp", CSRC / "rope_cpu.cpp", CSRC / "norm_act_cpu.cpp"]
+           CSRC / "greedy_head_cpu.cpp", CSRC / "rope_cpu.cpp", CSRC / "norm_act_cpu.cpp",
+           CSRC / "layer_cpu.cpp"]
 HEADERS = [CSRC / "paged_attention.h", CSRC / "paged_vec.h", CSRC / "bgmv_rows.inc"]
 CFLAGS = ("-O3", "-fopenmp")
 LDFLAGS = ("-fopenmp",)

@@ -73,6 +73,7 @@ NO_LIMIT = 1 << 62
 MEMORY_SHARE = 0.25  # of MemAvailable at load time
 BACKENDS = ("onednn", "avx2", "avx512", "mkl")
 OURS = ("avx2", "avx512")  # the backends of csrc/gemm_cpu.cpp, named for the ISA they run
+generation = 0  # bumped whenever a module gains or drops a packed copy: what a caller decided from them is stale
 
 
 def backend_from_env() -> str | None:
@@ -274,12 +275,14 @@ def pack_linears(linears: list[tuple[nn.Linear, str]], *, memory_bytes: int | No
     except RuntimeError as exc:  # a oneDNN without a kernel for this shape or ISA
         logger.warning("base linears use F.linear: packing for %s failed (%s)", name, exc)
         return 0
+    global generation
     for (module, kind), weight, glu in zip(linears, packed, glus, strict=True):
         module.packed_weight = weight
         module.packed_rows = row_range(name, kind, dtype)
         module.packed_backend = name
         module.packed_glu = glu
         module.packed_of = _identity(module.weight)
+    generation += 1
     logger.info("packed %d base weights for %s (%s, %.0f MiB)", len(linears), name, str(dtype).removeprefix("torch."),
                 need / 2**20)
     return need
@@ -290,6 +293,11 @@ def _identity(weight: torch.Tensor) -> tuple:
     counter: the fused LoRA shrink writes adapter rows next to the base rows in the same buffer, which
     bumps the counter the base weight's view shares, without changing the base rows.)"""
     return weight.data_ptr(), tuple(weight.shape), weight.dtype
+
+
+def packed_current(module: nn.Linear) -> bool:
+    """Whether `module` has a packed copy and its weight is still the one packed (storage, shape, dtype)."""
+    return getattr(module, "packed_weight", None) is not None and module.packed_of == _identity(module.weight)
 
 
 def takes_packed(module: nn.Linear, x: torch.Tensor) -> bool:
@@ -327,8 +335,10 @@ def _drop_packed(module: nn.Linear, x: torch.Tensor, exc: RuntimeError) -> None:
     """After a packed call on x raised: log it, and leave `module` to F.linear from now on."""
     logger.warning("a %s call on %d rows failed (%s); this linear uses F.linear from now on",
                    module.packed_backend, x.shape[0], exc)
+    global generation
     module.packed_rows = None
     module.packed_weight = None
+    generation += 1
 
 
 def silu_mul_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:

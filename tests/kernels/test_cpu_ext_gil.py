@@ -96,11 +96,25 @@ def _case(name: str):
         head = torch.randn(8192, 576, generator=gen) * 0.05
         packed, norms, rows = ext.greedy_head_pack(head), norms_rounded_up(head), torch.randn(64, 576, generator=gen)
         return lambda: ext.greedy_head(rows, packed, norms, head)
+    if name == "decoder_layer":  # a 256-token prompt through a layer of 384 hidden, 4 + 2 heads of 64, I = 768
+        isa, rows, hidden, inter = _isa(), 256, 384, 768
+        qkv, o = ext.gemm_pack(torch.randn(512, hidden, generator=gen) * 0.05, isa), \
+            ext.gemm_pack(torch.randn(hidden, 256, generator=gen) * 0.05, isa)
+        gate_up = ext.gemm_pack(torch.randn(2 * inter, hidden, generator=gen) * 0.05, isa, inter)
+        down = ext.gemm_pack(torch.randn(hidden, inter, generator=gen) * 0.05, isa)
+        rope, positions = RotaryEmbedding(64, 4096, 10000.0), torch.arange(rows)
+        caches = [torch.zeros(rows, 2, 64) for _ in range(2)]
+        tables = torch.arange(rows // 16).view(1, -1)
+        tiles = torch.tensor([(i, 16, 0, i + 1) for i in range(0, rows, 16)])
+        h, norm = torch.randn(rows, hidden, generator=gen), torch.ones(hidden)
+        return lambda: ext.decoder_layer(torch.randn(rows, hidden), h, qkv, None, o, gate_up, down, isa, inter,
+                                         rope.cos[positions], rope.sin[positions], 4, 2, 64, *caches, tables, tiles,
+                                         16, positions, norm, 1e-5, norm, 1e-5)
     raise AssertionError(name)
 
 
 @pytest.mark.parametrize("name", ["add_rms_norm", "silu_mul", "rope_inplace", "gemm_linear", "packed_gemm_linear",
-                                  "greedy_head"])
+                                  "greedy_head", "decoder_layer"])
 def test_kernel_lets_other_python_threads_run(name):
     fn = _case(name)
     assert _counts_during(fn) > 0, f"{name} keeps the GIL while it computes"

@@ -1,5 +1,5 @@
 // The CPU extension's Python module: the functions of bgmv_cpu.cpp, paged_attention_cpu.cpp,
-// packed_gemm_cpu.cpp, gemm_cpu.cpp, greedy_head_cpu.cpp, rope_cpu.cpp and norm_act_cpu.cpp.
+// packed_gemm_cpu.cpp, gemm_cpu.cpp, greedy_head_cpu.cpp, rope_cpu.cpp, norm_act_cpu.cpp and layer_cpu.cpp.
 //
 // Every function that computes on tensors runs without the GIL (NOGIL below; bgmv and paged_attention let
 // it go themselves, after their checks): under `loraplex serve` the engine thread shares its process with
@@ -36,6 +36,14 @@ at::Tensor packed_gemm_pack(const at::Tensor& weight);
 int64_t packed_gemm_bytes(int64_t n, int64_t k);
 at::Tensor packed_gemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                               const c10::optional<at::Tensor>& bias);
+at::Tensor decoder_layer(at::Tensor x, const at::Tensor& h, const at::Tensor& qkv_w,
+                         const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o_w, const at::Tensor& gate_up_w,
+                         const at::Tensor& down_w, const std::string& isa, int64_t inter, const at::Tensor& cos,
+                         const at::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                         const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+                         const at::Tensor& tiles, int64_t block_size, const at::Tensor& slot_mapping,
+                         const at::Tensor& post_norm_w, double post_eps, const at::Tensor& next_norm_w,
+                         double next_eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto NOGIL = py::call_guard<py::gil_scoped_release>();
@@ -73,4 +81,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_gemm_bytes", &packed_gemm_bytes, "Bytes of a packed [N, K] weight");
   m.def("packed_gemm_linear", &packed_gemm_linear, NOGIL, "x @ weight^T (+ bias) on a packed weight (see packed_gemm_cpu.cpp)",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+  // lets the GIL go itself around its kernels (paged_attention checks its indices with it held)
+  m.def("decoder_layer", &decoder_layer,
+        "One Llama decoder layer on packed fp32 weights in one call: the same kernels as the Python layer, in "
+        "its order (see layer_cpu.cpp)");
 }
