@@ -226,10 +226,14 @@ class DecoderLayer(nn.Module):
         weight still the one packed, T in its row range), RoPE, add + RMSNorm and SiLU x up on the
         compiled kernels, attention on the kernel's vector loops. The checks that stay fixed while the
         weights do are made once and kept (`_LayerPlan`, made again when a module gains or drops a packed
-        copy); per call, the weights' storage is checked again, so a weight re-bound since packing sends
-        the layer back to the Python path."""
+        copy, or a norm's weight or eps or the q/k/v bias is no longer the one kept); per call, the
+        linears' weights are checked again, so a weight re-bound since packing sends the layer back to
+        the Python path. Unlike `cpu_gemm.linear`, a GEMM that raises is not retried on F.linear: the
+        plan holds exactly the conditions under which gemm_linear's own checks pass, and the residual
+        stream may already have been added to in place."""
         plan = self.__dict__.get("_plan")
-        if plan is None or plan.next_norm is not next_norm or plan.generation != cpu_gemm.generation:
+        if (plan is None or plan.next_norm is not next_norm or plan.generation != cpu_gemm.generation
+                or not plan.current()):
             plan = self._plan = self._make_plan(next_norm)
         if (plan.args is None or not FUSED_ELEMENTWISE or not attention.PREFILL_KERNEL or x.dtype != torch.float32
                 or kv_cache[0].dtype != torch.float32 or not plan.min_rows <= x.shape[0] <= plan.max_rows):
@@ -259,20 +263,21 @@ class DecoderLayer(nn.Module):
               and attention.vector_loops(torch.float32, cfg.head_dim)
               and cfg.num_attention_heads // cfg.num_key_value_heads <= attention.MAX_QUERIES_PER_TILE)
         if not ok:
-            return _LayerPlan(next_norm, cpu_gemm.generation, 0, -1, (), (), None, None)
+            return _LayerPlan(next_norm, cpu_gemm.generation, 0, -1, (), (), None, None, norms[0])
         qkv, o, gate_up, down = linears
         args = (qkv.packed_weight, qkv.bias, o.packed_weight, gate_up.packed_weight, down.packed_weight,
                 qkv.packed_backend, self.mlp.inter, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                 norms[0].weight, norms[0].eps, next_norm.weight, next_norm.eps)
         return _LayerPlan(next_norm, cpu_gemm.generation, max(m.packed_rows[0] for m in linears),
                           min(m.packed_rows[1] for m in linears), linears, tuple(m.packed_of[0] for m in linears),
-                          self.self_attn.rope, args)
+                          self.self_attn.rope, args, norms[0])
 
 
 class _LayerPlan(NamedTuple):
     """`DecoderLayer._one_call`'s checks made once: for this next norm and packing generation, the rows
     the packed copies take, the four linears (q/k/v, o, gate/up, down) and the data pointers of the
-    weights packed, the RoPE module, and decoder_layer's arguments (None: the layer stays in Python)."""
+    weights packed, the RoPE module, decoder_layer's arguments (None: the layer stays in Python), and the
+    post-attention norm."""
 
     next_norm: RMSNorm
     generation: int
@@ -282,6 +287,17 @@ class _LayerPlan(NamedTuple):
     weights: tuple
     rope: RotaryEmbedding | None
     args: tuple | None
+    post_norm: RMSNorm
+
+    def current(self) -> bool:
+        """Whether the norms' weights and eps and the q/k/v bias kept in `args` are still the modules' own
+        (the Python path reads them live; a re-bound one makes the plan again)."""
+        if self.args is None:
+            return True
+        bias, post_w, post_eps, next_w, next_eps = self.args[1], *self.args[10:]
+        return (self.post_norm._parameters["weight"] is post_w and self.post_norm.eps == post_eps
+                and self.next_norm._parameters["weight"] is next_w and self.next_norm.eps == next_eps
+                and self.linears[0]._parameters.get("bias") is bias)
 
 
 class LlamaModel(nn.Module):

@@ -86,9 +86,17 @@ def test_one_call_per_layer_gives_the_python_layers_bits(engine, monkeypatch):
 def test_a_layer_whose_piece_would_not_run_compiled_takes_the_python_path(engine, monkeypatch):
     """A linear that dropped its packed copy (after a failed call), a weight re-bound since packing, or a
     row count out of the packed copies' range: that layer goes through Python, the others stay fused, and
-    the result is the Python layers' bits."""
-    input_ids, positions, attn = _mixed_step(engine)
+    the result is the Python layers' bits. A norm's weight re-bound or its eps changed after the layer's
+    first fused call: it stays fused, with the new values."""
+    input_ids, positions, attn = _mixed_step(engine)  # every layer has made its plan in the step before
     layers = engine.model.layers
+    with torch.no_grad():
+        layers[3].post_attention_layernorm.weight = torch.nn.Parameter(layers[3].post_attention_layernorm.weight * 3)
+    layers[4].input_layernorm.eps = 0.5  # layer 3's next norm
+    plain, _, _ = _forward(engine, input_ids, positions, attn, monkeypatch, False)
+    got, _, calls = _forward(engine, input_ids, positions, attn, monkeypatch, True)
+    assert calls == len(layers) and torch.equal(got, plain)
+
     cpu_gemm._drop_packed(layers[1].self_attn.o_proj, input_ids[:, None].float(), RuntimeError("test"))
     with torch.no_grad():  # the same values in a new tensor: the packed copy no longer is this weight's
         layers[2].mlp.down_proj.weight = torch.nn.Parameter(layers[2].mlp.down_proj.weight.clone())
