@@ -44,7 +44,7 @@ SOURCES = [CSRC / "module.cpp", CSRC / "bgmv_cpu.cpp", CSRC / "paged_attention_c
            CSRC / "paged_prefill_cpu.cpp", CSRC / "packed_gemm_cpu.cpp", CSRC / "gemm_cpu.cpp",
            CSRC / "greedy_head_cpu.cpp", CSRC / "rope_cpu.cpp", CSRC / "norm_act_cpu.cpp",
            CSRC / "layer_cpu.cpp"]
-HEADERS = [CSRC / "paged_attention.h", CSRC / "paged_vec.h", CSRC / "bgmv_rows.inc"]
+HEADERS = [CSRC / "entry_points.h", CSRC / "paged_attention.h", CSRC / "paged_vec.h", CSRC / "bgmv_rows.inc"]
 CFLAGS = ("-O3", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 

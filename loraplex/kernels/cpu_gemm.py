@@ -306,8 +306,7 @@ def takes_packed(module: nn.Linear, x: torch.Tensor) -> bool:
     packed (its storage, shape and dtype unchanged: a weight re-bound or cast since packing is not)."""
     packed_rows = getattr(module, "packed_rows", None)
     return (packed_rows is not None and x.dim() == 2 and packed_rows[0] <= x.shape[0] <= packed_rows[1]
-            and x.shape[1] == module.in_features and x.dtype == module.weight.dtype
-            and module.packed_of == _identity(module.weight))
+            and x.shape[1] == module.in_features and x.dtype == module.weight.dtype and packed_current(module))
 
 
 def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -15,18 +15,9 @@
 //
 // The GIL is let go for the GEMMs and elementwise kernels, as module.cpp does for each of them;
 // paged_attention checks its indices with the GIL held and then lets it go itself.
-#include <torch/extension.h>
+#include "entry_points.h"
 
 #include <cmath>
-#include <string>
-
-void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                     at::Tensor tiles, int64_t block_size, double scale, const c10::optional<at::Tensor>& k,
-                     const c10::optional<at::Tensor>& v, c10::optional<at::Tensor> slot_mapping);
-void rope_inplace(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim);
-at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& r, const at::Tensor& weight, double eps);
-at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::string& isa,
-                       const c10::optional<at::Tensor>& bias, int64_t glu, bool act);
 
 // x [T, H] fp32, the residual stream (updated in place); h [T, H] = the layer's input norm of x. Weights
 // packed by gemm_pack for `isa`: qkv [nH D + 2 nKV D, H] (bias: [nH D + 2 nKV D] or None), o [H, nH D],
