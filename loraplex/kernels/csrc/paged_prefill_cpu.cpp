@@ -91,6 +91,21 @@ LORAPLEX_INLINE void transpose(v8* r) {
 #undef LORAPLEX_SWAP8
 }
 
+// s[i][h] += sum over d of q[i, d] x kt[kKV d + h] for the kQB queries q (rows of D floats, scaled) and
+// the chunk's first KV vectors of keys (KV <= kKV; the rest of s is left as it is): kQB x KV
+// accumulators, each K^T load shared by the kQB queries and each query's broadcast by the KV vectors.
+template <int KV, int D, typename V, int QB>
+LORAPLEX_INLINE void scores(V (&s)[QB][kKV], const V* kt, const float* q) {
+  for (int d = 0; d < D; ++d) {
+    V kd[KV];
+    for (int h = 0; h < KV; ++h) kd[h] = kt[kKV * d + h];
+    for (int i = 0; i < QB; ++i) {
+      const float qd = q[i * D + d];
+      for (int h = 0; h < KV; ++h) s[i][h] += qd * kd[h];
+    }
+  }
+}
+
 // scratch (64-byte aligned), in vectors of W lanes: kt [D, kKV] (the chunk's K^T: kt[kKV d + h] holds keys
 // hW .. hW + W - 1 at dim d), qf [Mp, ND], acc [Mp, ND], p [Mp, kKV], mx [Mp] (the running max in every
 // lane), sum [Mp] (running sums by lane, added up at the end), corr [Mp]; Mp = M rounded up to kQB, plus
@@ -156,21 +171,8 @@ LORAPLEX_CLONES void prefill(const Args<T>& a, int64_t row0, int64_t n, int64_t 
     const int64_t first = std::max<int64_t>(0, (start - ctx0 + 1) * G);
     for (int64_t m0 = first / kQB * kQB; m0 < M; m0 += kQB) {
       V s[kQB][kKV] = {};
-      if (used == 1) {  // one vector of scores a query
-        for (int d = 0; d < D; ++d) {
-          const V kd = kt[kKV * d];
-          for (int i = 0; i < kQB; ++i) s[i][0] += qf[(m0 + i) * D + d] * kd;
-        }
-      } else {
-        for (int d = 0; d < D; ++d) {
-          V kd[kKV];
-          for (int h = 0; h < kKV; ++h) kd[h] = kt[kKV * d + h];
-          for (int i = 0; i < kQB; ++i) {
-            const float qd = qf[(m0 + i) * D + d];
-            for (int h = 0; h < kKV; ++h) s[i][h] += qd * kd[h];
-          }
-        }
-      }
+      if (used == 1) scores<1, D>(s, kt, qf + m0 * D);
+      else scores<kKV, D>(s, kt, qf + m0 * D);
       for (int i = 0; i < kQB && m0 + i < M; ++i) {
         const int64_t m = m0 + i;
         const int64_t limit = std::min(nk, ctx0 + m / G - start);
