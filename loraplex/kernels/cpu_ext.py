@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
 import threading
@@ -83,6 +84,20 @@ def get(dtype=None):
     if module is None:
         return None
     return module if module.bgmv_lanes(dtype == torch.float32, 16) > 0 else None
+
+
+def load_build(path: str | os.PathLike):
+    """The extension module of one built library at `path` (an .so this module built, in this checkout or
+    another), for timing several builds in one process (scripts/attn-bench, scripts/gemm-bench). The
+    module name is the file's, as `cpp_extension` named its init function. Raises ImportError where the
+    file is not such a library."""
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(path.name.split(".")[0], path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path}: not a loadable extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def load():

@@ -39,6 +39,26 @@ def test_builds_and_serves_the_engine_only_where_a_vector_path_takes_the_dtype(e
     assert (cpu_ext.build_root() / cpu_ext.module_name() / f"{cpu_ext.module_name()}.so").exists()
 
 
+def test_load_build_opens_a_built_library_beside_the_loaded_one(ext, tmp_path):
+    """The benches' A/B loader: the same library file, opened again by path, computes what the loaded
+    module does; a file that is no extension is refused with ImportError."""
+    built = cpu_ext.build_root() / cpu_ext.module_name() / f"{cpu_ext.module_name()}.so"
+    again = cpu_ext.load_build(built)
+    assert again.__name__ == cpu_ext.module_name()
+    x = torch.randn(5, 64)
+    w = torch.randn(48, 64)
+    isa = "avx512" if ext.avx512_available() else "avx2"
+    if ext.avx2_available():
+        out = again.gemm_linear(x, again.gemm_pack(w, isa, 0), 48, isa, None, 0, False)
+        assert torch.equal(out, ext.gemm_linear(x, ext.gemm_pack(w, isa, 0), 48, isa, None, 0, False))
+    gate_up = torch.randn(3, 8)
+    assert torch.equal(again.silu_mul(gate_up), ext.silu_mul(gate_up))
+    bogus = tmp_path / "notes.txt"
+    bogus.write_text("not a library")
+    with pytest.raises(ImportError):
+        cpu_ext.load_build(bogus)
+
+
 def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start(monkeypatch):
     """PyTorch's loader waits forever on the lock file of a build that was killed; loraplex holds its
     own OS lock while building, so such a file is stale and removed."""
