@@ -102,6 +102,21 @@ class AttentionMetadata:
                                            dtype=torch.int64).view(-1, 4)
         return self._tiles[-1]
 
+    def row_tiles(self, rows: list[int]) -> torch.Tensor:
+        """[B, 4] int64: one tile (b, 1, seq, ctx) for each step row rows[b], a query block of its own
+        attending its request's positions 0 .. ctx - 1 (`paged_attention_rows`). Raises IndexError for a
+        row outside the step."""
+        tiles = []
+        for b, r in enumerate(rows):
+            if 0 <= r < self.num_decode_tokens:
+                tiles.append((b, 1, r, self.context_lens[r]))
+                continue
+            p = next((p for p in self.prefills if p.start <= r < p.start + p.num_tokens), None)
+            if p is None:
+                raise IndexError(f"row {r} is not in this step")
+            tiles.append((b, 1, p.seq, p.num_computed + r - p.start + 1))
+        return torch.tensor(tiles, dtype=torch.int64).view(-1, 4)
+
     def decode_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """For the PyTorch path: ([B_d, C] cache slot of each decode's positions, [B_d, 1, 1, C] bool mask,
         True on each request's positions 0..len-1). Built on first use, once per step."""
@@ -159,6 +174,29 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     for p in attn.prefills:
         rows = slice(p.start, p.start + p.num_tokens)
         out[rows] = _prefill_matmul(q[rows], k[rows], v[rows], k_cache, v_cache, attn, p)
+    return out
+
+
+def paged_attention_rows(q: torch.Tensor, rows: list[int], k: torch.Tensor, v: torch.Tensor,
+                         kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata) -> torch.Tensor | None:
+    """`paged_attention` for the step rows `rows` [B] alone: every row's K/V k, v [T, nKV, D] is written
+    (later layers and steps read it), but only q [B, nH, D], the queries of those rows, attend, each as a
+    decode does (`row_tiles`). [B, nH, D], or None where the compiled kernel does not take it (then the
+    caller runs `paged_attention` on every row). The last layer of a step that samples a few rows needs
+    no other row's output. Each row's value is its row of `paged_attention` to fp32 rounding: a prefill
+    row goes through the decode loop instead of its tile of the prefill loop, which sums in another
+    order."""
+    k_cache, v_cache = kv_cache
+    group = q.shape[1] // k_cache.shape[1]
+    if (q.device.type != "cpu" or group > MAX_QUERIES_PER_TILE or not PREFILL_KERNEL
+            or not vector_loops(q.dtype, q.shape[-1])):
+        return None
+    ext = cpu_ext.load()
+    if ext is None:
+        return None
+    out = torch.empty(q.shape, dtype=q.dtype)
+    ext.paged_attention(out, q, k_cache, v_cache, attn.block_tables, attn.row_tiles(rows), attn.block_size,
+                        q.shape[-1] ** -0.5, k, v, attn.slot_mapping)
     return out
 
 

@@ -137,8 +137,19 @@ class Attention(nn.Module):
         self.rope = rope
         self.lora: dict[str, LoRAWeights] = {}
 
-    def forward(self, x, positions, kv_cache, attn: AttentionMetadata, lora: LoRAMeta | None):
-        """x [T, H]; positions [T]; kv_cache (k, v) each [num_slots, nKV, D] -> [T, H]."""
+    def forward(self, x, positions, kv_cache, attn: AttentionMetadata, lora: LoRAMeta | None,
+                rows: torch.Tensor | None = None, rows_lora: LoRAMeta | None = None):
+        """x [T, H]; positions [T]; kv_cache (k, v) each [num_slots, nKV, D] -> [T, H], or with rows [B]
+        (indices into the T rows) those rows' outputs alone [B, H], every row's K/V written all the same;
+        rows_lora: their `LoRAMeta` (None without adapters). With rows, on the compiled CPU kernels
+        (`_rows_only`), the other rows' queries, attention and o_proj are not computed."""
+        if rows is not None:
+            o = self._rows_only(x, positions, kv_cache, attn, lora, rows)
+            if o is None:
+                return self.forward(x, positions, kv_cache, attn, lora)[rows]
+            if rows_lora is not None and "o_proj" in self.lora:
+                return lora_linear(o, self.o_proj, [self.lora["o_proj"]], rows_lora)
+            return base_linear(self.o_proj, o)
         cfg = self.cfg
         if lora is not None and "q_proj" in self.lora:
             qkv = lora_linear(x, self.qkv_proj, [self.lora["q_proj"], self.lora["k_proj"], self.lora["v_proj"]], lora)
@@ -155,6 +166,42 @@ class Attention(nn.Module):
         if lora is not None and "o_proj" in self.lora:
             return lora_linear(o, self.o_proj, [self.lora["o_proj"]], lora)
         return base_linear(self.o_proj, o)
+
+    def _rows_only(self, x, positions, kv_cache, attn: AttentionMetadata, lora: LoRAMeta | None,
+                   rows: torch.Tensor) -> torch.Tensor | None:
+        """The attention output [B, nH x D] of the rows `rows` [B] alone, before o_proj, or None where a
+        kernel below does not take it (the caller runs every row then). The k and v columns of the q/k/v
+        projection for every row, the q columns for these rows only (`cpu_gemm.linear_columns`; with
+        q/k/v adapters, the whole projection and then these rows' q), RoPE, every row's K/V written and
+        these rows' queries attending (`paged_attention_rows`). llama.cpp's last layer likewise keeps only
+        the rows whose output is used (`inp_out_ids`). Each row's value is its row of `forward`'s to fp32
+        rounding (the attention sums in another order for a prefill row)."""
+        cfg = self.cfg
+        heads, kv_heads, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        ext = cpu_ext.load()
+        if ext is None or x.dtype not in FUSED_DTYPES or x.device.type != "cpu":
+            return None
+        q = kv = None
+        if lora is None or "q_proj" not in self.lora:
+            kv = cpu_gemm.linear_columns(self.qkv_proj, x, cfg.q_size, cfg.q_size + 2 * cfg.kv_size)  # [T, 2 kv]
+            if kv is not None:
+                q = cpu_gemm.linear_columns(self.qkv_proj, x[rows], 0, cfg.q_size) if len(rows) else \
+                    x.new_empty((0, cfg.q_size))  # [B, q]
+        if q is None or kv is None:
+            if lora is not None and "q_proj" in self.lora:
+                qkv = lora_linear(x, self.qkv_proj, [self.lora["q_proj"], self.lora["k_proj"], self.lora["v_proj"]],
+                                  lora)
+            else:
+                qkv = base_linear(self.qkv_proj, x)  # [T, q + 2 kv]
+            q, kv = qkv[rows, : cfg.q_size], qkv[:, cfg.q_size:]
+        cos, sin = self.rope.rows(positions, x.dtype)  # [T, D]
+        ext.rope_inplace(kv, cos, sin, kv_heads, dim)  # k's heads come first in kv's columns
+        if len(rows):
+            ext.rope_inplace(q, cos[rows], sin[rows], heads, dim)
+        k = kv[:, : cfg.kv_size].view(-1, kv_heads, dim)
+        v = kv[:, cfg.kv_size:].view(-1, kv_heads, dim)
+        out = attention.paged_attention_rows(q.view(-1, heads, dim), rows.tolist(), k, v, kv_cache, attn)
+        return None if out is None else out.view(-1, cfg.q_size)
 
 
 class MLP(nn.Module):
@@ -200,9 +247,9 @@ class DecoderLayer(nn.Module):
         after this layer [T, H]: each residual add goes with the norm after it (vLLM's layers pass the
         residual the same way), so the next layer's input norm (or the final norm) is applied here.
 
-        rows [B] (optional): after attention (which writes every row's K/V), only these rows go on, on a
-        copy of theirs of x (x itself is then left as attention found it), and the result is [B, H];
-        rows_lora is their `LoRAMeta` (None without adapters).
+        rows [B] (optional): only these rows' attention outputs are computed (every row's K/V is still
+        written) and only they go on, on a copy of theirs of x (x itself is then left as it was), and the
+        result is [B, H]; rows_lora is their `LoRAMeta` (None without adapters).
 
         Without adapters or rows, where every kernel below would run compiled on fp32 (`_one_call`), the
         layer is one call of the extension: the same kernels in the same order, the same bits."""
@@ -210,11 +257,13 @@ class DecoderLayer(nn.Module):
             out = self._one_call(x, h, positions, kv_cache, attn, next_norm)
             if out is not None:
                 return out
-        a = self.self_attn(h, positions, kv_cache, attn, lora)  # [T, H]
         if rows is not None:
-            x, a, lora = x[rows], a[rows], rows_lora  # [B, H]
+            a = self.self_attn(h, positions, kv_cache, attn, lora, rows, rows_lora)  # [B, H]
+            x, lora = x[rows], rows_lora  # [B, H]
             if not len(rows):
                 return x
+        else:
+            a = self.self_attn(h, positions, kv_cache, attn, lora)  # [T, H]
         h = self.post_attention_layernorm.add_norm(x, a)
         return next_norm.add_norm(x, self.mlp(h, lora))
 

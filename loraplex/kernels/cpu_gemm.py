@@ -330,6 +330,28 @@ def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return module(x)
 
 
+def linear_columns(module: nn.Linear, x: torch.Tensor, start: int, stop: int) -> torch.Tensor | None:
+    """Output columns [start, stop) of `linear(module, x)`: x [M, K] -> [M, stop - start], from that slice
+    of our packed copy (its panels of NR columns lie one after another, so the panels of columns start ..
+    stop - 1 are a packed weight of their own), the same bits as those columns of the whole product (each
+    output is its own sum over K). None where it does not run: the module is not packed by our GEMM (or
+    packed for a gate/up epilogue), x does not take the packed copy, or start, or stop short of N, is not
+    on a panel's edge. The model's last layer uses it to skip the query columns of rows it does not
+    sample."""
+    if not takes_packed(module, x) or module.packed_backend not in OURS or module.packed_glu:
+        return None
+    ext, isa, k, n = cpu_ext.load(), module.packed_backend, module.in_features, module.out_features
+    if not 0 <= start < stop <= n or any(c < n and ext.gemm_floats(c, k, isa) != c * k for c in (start, stop)):
+        return None
+    weight = module.packed_weight.narrow(0, start * k, ext.gemm_floats(stop - start, k, isa))
+    bias = None if module.bias is None else module.bias[start:stop]
+    try:
+        return ext.gemm_linear(x, weight, stop - start, isa, bias, 0)
+    except RuntimeError as exc:
+        _drop_packed(module, x, exc)
+        return None
+
+
 def _drop_packed(module: nn.Linear, x: torch.Tensor, exc: RuntimeError) -> None:
     """After a packed call on x raised: log it, and leave `module` to F.linear from now on."""
     logger.warning("a %s call on %d rows failed (%s); this linear uses F.linear from now on",

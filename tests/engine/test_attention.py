@@ -143,6 +143,30 @@ def test_kernel_writes_the_steps_kv_and_reads_q_in_place_from_the_fused_projecti
     assert (out.double() - reference(q, STEP, full, nkv)).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+def test_rows_alone_attend_as_in_the_whole_step_and_every_rows_kv_is_written(dtype, tol):
+    """`paged_attention_rows` (the last layer's sampled rows): the chosen rows' queries alone, each a
+    query block of its own (decode rows, a chunk's middle and last rows), attend as they do in the whole
+    step to the fp64 reference's tolerance, and every row's K/V is written as `paged_attention` writes it;
+    `row_tiles` raises for a row outside the step."""
+    if not built_cpu_ext():
+        pytest.skip("the compiled CPU kernels are not built")
+    nh, nkv, d = 9, 3, 64
+    q, k, v, caches, attn, full = make_step(STEP, nh, nkv, d, dtype, torch.Generator().manual_seed(6))
+    whole_caches = tuple(c.clone() for c in caches)
+    whole = paged_attention(q, k, v, whole_caches, attn)
+    rows = [0, 6, attn.prefills[0].start + 6, attn.prefills[2].start + 20, q.shape[0] - 1]
+    assert attn.row_tiles(rows).tolist()[2:] == [[2, 1, 7, 7], [3, 1, 9, 29], [4, 1, 11, 20]]
+    out = attention.paged_attention_rows(q[rows], rows, k, v, caches, attn)
+    for c, w in zip(caches, whole_caches, strict=True):
+        assert torch.equal(c.isnan(), w.isnan()) and torch.equal(c.nan_to_num(), w.nan_to_num())
+    ref = reference(q, STEP, full, nkv)[rows]
+    assert (out.double() - ref).abs().max().item() < tol
+    assert (whole[rows].double() - ref).abs().max().item() < tol
+    with pytest.raises(IndexError, match=f"row {q.shape[0]} is not in this step"):
+        attn.row_tiles([q.shape[0]])
+
+
 def test_kernel_refuses_a_cache_write_it_cannot_do():
     ext = cpu_ext.load()
     q, cache = torch.zeros(1, 9, 64), torch.zeros(8 * BLOCK, 3, 64)

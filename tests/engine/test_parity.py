@@ -12,6 +12,7 @@ import torch
 
 from loraplex import LLM, SamplingParams
 from loraplex.adapters.synthetic import randomize_lora_weights
+from loraplex.kernels import cpu_gemm
 from tests.helpers import chat_ids, peft_generate
 
 MAX_NEW = 12
@@ -123,28 +124,45 @@ def test_first_step_logits_within_1e3_of_peft(llm, peft_model, tokenizer):
         torch.testing.assert_close(ours[i], ref, atol=1e-3, rtol=0)
 
 
-def test_the_last_layer_on_the_sampled_rows_alone_gives_their_rows_of_the_full_forward(llm, peft_model, tokenizer):
-    """`out_rows`: the last layer's MLP runs on the sampled rows only (with the adapters of those rows:
-    four of the five here touch the MLP or o_proj); their hidden states equal those rows of the full
-    forward, and a step that samples nothing gets none."""
+@pytest.mark.parametrize("adapters", [True, False], ids=["adapters", "base"])
+def test_the_last_layer_on_the_sampled_rows_alone_gives_their_rows_of_the_full_forward(llm, peft_model, tokenizer,
+                                                                                       adapters, monkeypatch):
+    """`out_rows`: the last layer's queries, attention, o_proj and MLP run on the sampled rows only (with
+    the adapters of those rows: four of the five here touch the MLP or o_proj); their hidden states equal
+    those rows of the full forward to fp32 rounding (a prefill row's attention sums in another order),
+    a step that samples nothing gets none, and either way every row's K/V of the last layer is written
+    as the full forward writes it."""
     engine = llm.engine
-    rows = [None, *ADAPTERS]
+    rows = [None, *ADAPTERS] if adapters else [None] * (len(ADAPTERS) + 1)  # base: q/k/v from their columns
     prompts = [chat_ids(tokenizer, p) for p in PROMPTS[: len(rows)]]
     warm = [chat_ids(tokenizer, "Hi")] * len(rows)  # the adapters into slots (other prompts: little cached)
     llm.generate(warm, SamplingParams(max_tokens=1, temperature=0), adapters=rows)
     reqs = [engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0), a)
             for ids, a in zip(prompts, rows, strict=True)]
     sched = engine.scheduler.schedule()
+    columns = []  # what each cpu_gemm.linear_columns call gave: None where it did not run
+    real = cpu_gemm.linear_columns
+    monkeypatch.setattr(cpu_gemm, "linear_columns", lambda *a: columns.append(real(*a)) or columns[-1])
     try:
         input_ids, positions, attn, lora, sampled, sample_rows = engine.runner.prepare(sched, engine.adapters.slot_ranks)
-        assert len(sampled) == len(rows) and lora is not None and len(sample_rows) < len(input_ids)
+        assert len(sampled) == len(rows) and (lora is not None) == adapters and len(sample_rows) < len(input_ids)
         full = engine.model(input_ids, positions, engine.runner.kv_caches, attn, lora)  # [T, H]
+        last_k, last_v = engine.runner.kv_caches[-1]
+        written = last_k[attn.slot_mapping].clone(), last_v[attn.slot_mapping].clone()
         out_rows = torch.tensor(sample_rows)
-        alone = engine.model(input_ids, positions, engine.runner.kv_caches, attn, lora, out_rows)  # [B, H]
-        assert alone.shape == (len(rows), full.shape[1])
-        torch.testing.assert_close(alone, full[out_rows], rtol=0, atol=1e-5)
-        none = engine.model(input_ids, positions, engine.runner.kv_caches, attn, lora, out_rows[:0])
-        assert none.shape == (0, full.shape[1])
+        for taken in (out_rows, out_rows[:0]):
+            last_k[attn.slot_mapping] = float("nan")
+            last_v[attn.slot_mapping] = float("nan")
+            alone = engine.model(input_ids, positions, engine.runner.kv_caches, attn, lora, taken)  # [B, H]
+            assert alone.shape == (len(taken), full.shape[1])
+            torch.testing.assert_close(alone, full[taken])  # fp32's default tolerances: rtol 1.3e-6, atol 1e-5
+            assert torch.equal(last_k[attn.slot_mapping], written[0])
+            assert torch.equal(last_v[attn.slot_mapping], written[1])
+        qkv = engine.model.layers[-1].self_attn.qkv_proj
+        if not adapters and getattr(qkv, "packed_backend", None) in cpu_gemm.OURS:  # our GEMM packed it
+            assert len(columns) == 3 and all(c is not None for c in columns)  # every row's k/v, 5 rows' q, 0 rows
+        else:
+            assert not adapters or not columns  # q/k/v adapters: the whole projection
     finally:
         for req in reqs:
             engine.abort_request(req.request_id)
