@@ -177,25 +177,28 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     return out
 
 
+def rows_kernel(device: torch.device, heads: int, kv_heads: int, head_dim: int):
+    """The compiled CPU module if `paged_attention_rows` runs for these shapes (a CPU step, at most
+    MAX_QUERIES_PER_TILE query heads per kv head, D <= 256; the kernels built), else None."""
+    if device.type != "cpu" or heads // kv_heads > MAX_QUERIES_PER_TILE or head_dim > 256:
+        return None
+    return cpu_ext.load()
+
+
 def paged_attention_rows(q: torch.Tensor, rows: list[int], k: torch.Tensor, v: torch.Tensor,
-                         kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata) -> torch.Tensor | None:
+                         kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata) -> torch.Tensor:
     """`paged_attention` for the step rows `rows` [B] alone: every row's K/V k, v [T, nKV, D] is written
     (later layers and steps read it), but only q [B, nH, D], the queries of those rows, attend, each as a
-    decode does (`row_tiles`). [B, nH, D], or None where the compiled kernel does not take it (then the
-    caller runs `paged_attention` on every row). The last layer of a step that samples a few rows needs
-    no other row's output. Each row's value is its row of `paged_attention` to fp32 rounding: a prefill
-    row goes through the decode loop instead of its tile of the prefill loop, which sums in another
-    order."""
-    k_cache, v_cache = kv_cache
-    group = q.shape[1] // k_cache.shape[1]
-    if (q.device.type != "cpu" or group > MAX_QUERIES_PER_TILE or not PREFILL_KERNEL
-            or not vector_loops(q.dtype, q.shape[-1])):
-        return None
-    ext = cpu_ext.load()
+    decode does (`row_tiles`: the kernel's decode loop where `vector_loops` holds, its general loop
+    elsewhere). Returns [B, nH, D]. Only where `rows_kernel` gives the module (the caller checks first).
+    The last layer of a step that samples a few rows needs no other row's output. Each row's value is its
+    row of `paged_attention` to the dtype's rounding: a prefill row goes through the decode loop instead
+    of its tile of the prefill loop, which sums in another order."""
+    ext = rows_kernel(q.device, q.shape[1], kv_cache[0].shape[1], q.shape[-1])
     if ext is None:
-        return None
+        raise RuntimeError("paged_attention_rows: the compiled CPU kernel does not take this step")
     out = torch.empty(q.shape, dtype=q.dtype)
-    ext.paged_attention(out, q, k_cache, v_cache, attn.block_tables, attn.row_tiles(rows), attn.block_size,
+    ext.paged_attention(out, q, kv_cache[0], kv_cache[1], attn.block_tables, attn.row_tiles(rows), attn.block_size,
                         q.shape[-1] ** -0.5, k, v, attn.slot_mapping)
     return out
 

@@ -141,8 +141,9 @@ class Attention(nn.Module):
                 rows: torch.Tensor | None = None, rows_lora: LoRAMeta | None = None):
         """x [T, H]; positions [T]; kv_cache (k, v) each [num_slots, nKV, D] -> [T, H], or with rows [B]
         (indices into the T rows) those rows' outputs alone [B, H], every row's K/V written all the same;
-        rows_lora: their `LoRAMeta` (None without adapters). With rows, on the compiled CPU kernels
-        (`_rows_only`), the other rows' queries, attention and o_proj are not computed."""
+        rows_lora: their `LoRAMeta` (None without adapters). With rows, where the compiled CPU kernels take
+        the step (`_rows_only`: fp32 or bf16 on a CPU), the other rows' attention and o_proj are not
+        computed, nor their queries where our GEMM packed q/k/v and no q/k/v adapter is loaded."""
         if rows is not None:
             o = self._rows_only(x, positions, kv_cache, attn, lora, rows)
             if o is None:
@@ -169,18 +170,20 @@ class Attention(nn.Module):
 
     def _rows_only(self, x, positions, kv_cache, attn: AttentionMetadata, lora: LoRAMeta | None,
                    rows: torch.Tensor) -> torch.Tensor | None:
-        """The attention output [B, nH x D] of the rows `rows` [B] alone, before o_proj, or None where a
-        kernel below does not take it (the caller runs every row then). The k and v columns of the q/k/v
-        projection for every row, the q columns for these rows only (`cpu_gemm.linear_columns`; with
-        q/k/v adapters, the whole projection and then these rows' q), RoPE, every row's K/V written and
-        these rows' queries attending (`paged_attention_rows`). llama.cpp's last layer likewise keeps only
-        the rows whose output is used (`inp_out_ids`). Each row's value is its row of `forward`'s to fp32
-        rounding (the attention sums in another order for a prefill row)."""
+        """The attention output [B, nH x D] of the rows `rows` [B] alone, before o_proj, or None where the
+        compiled CPU kernels do not take this step (not a CPU step, a dtype other than fp32 or bf16, shapes
+        the attention kernel refuses; decided before any work): then the caller runs every row. The k and
+        v columns of the q/k/v projection for every row and its q columns for these rows only where our
+        GEMM packed it (`cpu_gemm.linear_columns`; else, or with q/k/v adapters, the whole projection and
+        then these rows' q), RoPE, every row's K/V written and these rows' queries attending
+        (`paged_attention_rows`). llama.cpp's last layer likewise keeps only the rows whose output is used
+        (`inp_out_ids`). Each row's value is its row of `forward`'s to the dtype's rounding (the attention
+        sums in another order for a prefill row)."""
         cfg = self.cfg
         heads, kv_heads, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        ext = cpu_ext.load()
-        if ext is None or x.dtype not in FUSED_DTYPES or x.device.type != "cpu":
+        if x.dtype not in FUSED_DTYPES or attention.rows_kernel(x.device, heads, kv_heads, dim) is None:
             return None
+        ext = cpu_ext.load()
         q = kv = None
         if lora is None or "q_proj" not in self.lora:
             kv = cpu_gemm.linear_columns(self.qkv_proj, x, cfg.q_size, cfg.q_size + 2 * cfg.kv_size)  # [T, 2 kv]
@@ -201,7 +204,7 @@ class Attention(nn.Module):
         k = kv[:, : cfg.kv_size].view(-1, kv_heads, dim)
         v = kv[:, cfg.kv_size:].view(-1, kv_heads, dim)
         out = attention.paged_attention_rows(q.view(-1, heads, dim), rows.tolist(), k, v, kv_cache, attn)
-        return None if out is None else out.view(-1, cfg.q_size)
+        return out.view(-1, cfg.q_size)
 
 
 class MLP(nn.Module):
@@ -247,9 +250,10 @@ class DecoderLayer(nn.Module):
         after this layer [T, H]: each residual add goes with the norm after it (vLLM's layers pass the
         residual the same way), so the next layer's input norm (or the final norm) is applied here.
 
-        rows [B] (optional): only these rows' attention outputs are computed (every row's K/V is still
-        written) and only they go on, on a copy of theirs of x (x itself is then left as it was), and the
-        result is [B, H]; rows_lora is their `LoRAMeta` (None without adapters).
+        rows [B] (optional): only these rows go on after attention (every row's K/V is still written;
+        where `Attention._rows_only` runs, only these rows' attention is computed), on a copy of theirs of
+        x (x itself is then left as it was), and the result is [B, H]; rows_lora is their `LoRAMeta` (None
+        without adapters).
 
         Without adapters or rows, where every kernel below would run compiled on fp32 (`_one_call`), the
         layer is one call of the extension: the same kernels in the same order, the same bits."""
@@ -387,12 +391,13 @@ class LlamaModel(nn.Module):
         (int64 indices into the T rows) alone; out_lora: those rows' `LoRAMeta` where lora is given
         (default `lora.select` of them, which reads out_rows back to the host).
 
-        With out_rows, the last layer's MLP and norms run on those rows only (the rows a step samples):
-        no later layer reads the others, and every layer's K/V is written before that point. llama.cpp
-        skips the same work for the tokens whose output is not used (`inp_out_ids`). A prefill chunk of
-        n tokens then costs about 3/4 of one layer less for its n - 1 first tokens. Each row's values are
-        those of the full forward to rounding (the same bits where the GEMMs work row by row, as
-        csrc/gemm_cpu.cpp's do; tested)."""
+        With out_rows, the last layer's MLP and norms run on those rows only (the rows a step samples), and
+        on fp32 or bf16 CPU steps also its attention and o_proj, and its queries where our GEMM packed
+        q/k/v (`Attention._rows_only`): no later layer reads the other rows, and every layer's K/V is still
+        written. llama.cpp skips the same work for the tokens whose output is not used (`inp_out_ids`). A
+        prefill chunk of n tokens then costs about 9/10 of one layer less for its n - 1 first tokens. Each
+        row's values are those of the full forward to the dtype's rounding (a sampled prefill row attends
+        through the decode loop, which sums in another order; tested)."""
         x = self.embed_tokens(input_ids)  # [T, H], the residual stream
         if not self.layers:
             return self.norm(x) if out_rows is None else self.norm(x[out_rows])

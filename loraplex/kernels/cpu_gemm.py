@@ -331,25 +331,29 @@ def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def linear_columns(module: nn.Linear, x: torch.Tensor, start: int, stop: int) -> torch.Tensor | None:
-    """Output columns [start, stop) of `linear(module, x)`: x [M, K] -> [M, stop - start], from that slice
-    of our packed copy (its panels of NR columns lie one after another, so the panels of columns start ..
-    stop - 1 are a packed weight of their own), the same bits as those columns of the whole product (each
-    output is its own sum over K). None where it does not run: the module is not packed by our GEMM (or
-    packed for a gate/up epilogue), x does not take the packed copy, or start, or stop short of N, is not
-    on a panel's edge. The model's last layer uses it to skip the query columns of rows it does not
-    sample."""
+    """Output columns [start, stop) of `linear(module, x)`: x [M, K] -> [M, stop - start] (a view of
+    columns of a wider product where start or stop is not on a panel's edge), from the slice of our
+    packed copy that holds them: its panels of NR columns lie one after another, so panels p0 .. p1 - 1
+    are a packed weight of their own. The same bits as those columns of the whole product (each output
+    is its own sum over K). None where it does not run: the module is not packed by our GEMM (or is
+    packed for a gate/up epilogue), x does not take the packed copy, or 0 <= start < stop <= N fails.
+    The model's last layer takes the q columns of the rows it samples and the k/v columns of every row
+    so."""
     if not takes_packed(module, x) or module.packed_backend not in OURS or module.packed_glu:
         return None
     ext, isa, k, n = cpu_ext.load(), module.packed_backend, module.in_features, module.out_features
-    if not 0 <= start < stop <= n or any(c < n and ext.gemm_floats(c, k, isa) != c * k for c in (start, stop)):
+    if not 0 <= start < stop <= n:
         return None
-    weight = module.packed_weight.narrow(0, start * k, ext.gemm_floats(stop - start, k, isa))
-    bias = None if module.bias is None else module.bias[start:stop]
+    nr = ext.gemm_floats(1, 1, isa)  # the panel's width: one column pads to one panel
+    first, end = start // nr * nr, min(n, -(-stop // nr) * nr)  # the panels' columns [first, end)
+    weight = module.packed_weight.narrow(0, first * k, ext.gemm_floats(end - first, k, isa))
+    bias = None if module.bias is None else module.bias[first:end]
     try:
-        return ext.gemm_linear(x, weight, stop - start, isa, bias, 0)
+        out = ext.gemm_linear(x, weight, end - first, isa, bias, 0)
     except RuntimeError as exc:
         _drop_packed(module, x, exc)
         return None
+    return out if (first, end) == (start, stop) else out[:, start - first: stop - first]
 
 
 def _drop_packed(module: nn.Linear, x: torch.Tensor, exc: RuntimeError) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from loraplex import LLM, SamplingParams
 from loraplex.adapters.synthetic import randomize_lora_weights
+from loraplex.engine import attention
 from loraplex.kernels import cpu_gemm
 from tests.helpers import chat_ids, peft_generate
 
@@ -143,6 +144,9 @@ def test_the_last_layer_on_the_sampled_rows_alone_gives_their_rows_of_the_full_f
     columns = []  # what each cpu_gemm.linear_columns call gave: None where it did not run
     real = cpu_gemm.linear_columns
     monkeypatch.setattr(cpu_gemm, "linear_columns", lambda *a: columns.append(real(*a)) or columns[-1])
+    attended = []  # the rows each paged_attention_rows call attended
+    real_rows = attention.paged_attention_rows
+    monkeypatch.setattr(attention, "paged_attention_rows", lambda q, r, *a: attended.append(r) or real_rows(q, r, *a))
     try:
         input_ids, positions, attn, lora, sampled, sample_rows = engine.runner.prepare(sched, engine.adapters.slot_ranks)
         assert len(sampled) == len(rows) and (lora is not None) == adapters and len(sample_rows) < len(input_ids)
@@ -158,6 +162,7 @@ def test_the_last_layer_on_the_sampled_rows_alone_gives_their_rows_of_the_full_f
             torch.testing.assert_close(alone, full[taken])  # fp32's default tolerances: rtol 1.3e-6, atol 1e-5
             assert torch.equal(last_k[attn.slot_mapping], written[0])
             assert torch.equal(last_v[attn.slot_mapping], written[1])
+        assert attended == [sample_rows, []]  # the sampled rows alone attended in the last layer
         qkv = engine.model.layers[-1].self_attn.qkv_proj
         if not adapters and getattr(qkv, "packed_backend", None) in cpu_gemm.OURS:  # our GEMM packed it
             assert len(columns) == 3 and all(c is not None for c in columns)  # every row's k/v, 5 rows' q, 0 rows

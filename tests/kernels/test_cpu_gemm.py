@@ -461,23 +461,28 @@ def test_a_failing_packed_call_falls_back_to_f_linear_for_good(monkeypatch, capl
 @pytest.mark.parametrize("name", EACH_BACKEND)
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_columns_gives_those_columns_of_the_whole_product_bit_for_bit(monkeypatch, name, bias):
-    """`linear_columns`: columns [start, stop) of `linear` from that slice of our packed panels, the same
-    bits (the model's last layer takes the q columns of its sampled rows and the k/v columns of every row
-    so); None where start, or a stop short of N, is off a panel's edge, for x outside the packed rows, or
-    where our GEMM did not pack the weight."""
+    """`linear_columns`: columns [start, stop) of `linear` from the slice of our packed panels that holds
+    them, the same bits, on a panel's edge or not (the model's last layer takes the q columns of its
+    sampled rows and the k/v columns of every row so); None for an empty or out-of-range span, an x that
+    does not take the packed copy (another dtype), a gate/up weight packed for the epilogue, or where
+    our GEMM did not pack the weight."""
     gen = torch.Generator().manual_seed(5)
     monkeypatch.setattr(cpu_gemm, "backend", name)
     lin = _random_linear(960 + 20, 576, bias, gen)  # N off the panel width: a padded last panel
-    assert cpu_gemm.pack_linears([(lin, "decoder")], memory_bytes=1 << 40)
+    glu = _random_linear(2 * 48, 576, False, gen)
+    assert cpu_gemm.pack_linears([(lin, "decoder"), (glu, "gate_up")], memory_bytes=1 << 40)
     x = torch.randn(37, 576, generator=gen)
     whole = cpu_gemm.linear(lin, x)
     if name not in cpu_gemm.OURS:
         assert cpu_gemm.linear_columns(lin, x, 0, 576) is None
         return
     nr = NR[name]
-    for start, stop in [(0, 576), (576, 980), (nr, 3 * nr), (0, 980)]:
+    spans = [(0, 576), (576, 980), (nr, 3 * nr), (0, 980), (1, 576), (0, nr + 1), (nr - 1, nr + 1), (900, 979),
+             (5, 6)]
+    for start, stop in spans:
         cols = cpu_gemm.linear_columns(lin, x, start, stop)
         assert cols.shape == (37, stop - start) and torch.equal(cols, whole[:, start:stop]), (start, stop)
-    for start, stop in [(1, 576), (0, nr + 1), (576, 576), (0, 981)]:
+    for start, stop in [(576, 576), (0, 981), (-1, 5)]:
         assert cpu_gemm.linear_columns(lin, x, start, stop) is None, (start, stop)
     assert cpu_gemm.linear_columns(lin, x.double(), 0, 576) is None
+    assert glu.packed_glu == 48 and cpu_gemm.linear_columns(glu, x, 0, 48) is None
