@@ -241,3 +241,25 @@ def test_the_model_takes_the_fused_ops_only_for_fp32_or_bf16_rows_of_one_dtype()
         cpu_ext.load().add_rms_norm(torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(4, 8), torch.ones(8), 1e-5)
     with pytest.raises(RuntimeError, match="fp32 or bf16"):
         cpu_ext.load().silu_mul(torch.randn(4, 8, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_silu_mul_gives_the_same_bits_whichever_loop_a_row_takes(dtype):
+    """A row whose |gate| are all at most 87.3 takes silu_mul's short loop, one with a larger gate its
+    general loop: on the columns the two rows share (random gates, the bound itself, tiny and zero gates,
+    NaN of either sign), both give the same bits; the tail past the vectors is the same scalar code."""
+    built_cpu_ext()
+    gen = torch.Generator().manual_seed(9)
+    inter = 1536
+    gate_up = (torch.randn(2, 2 * inter, generator=gen) * 8).to(dtype)
+    top = 87.3 if dtype == torch.float32 else 87.0  # the bound, or bf16's largest value under it
+    specials = torch.tensor([top, -top, 87.0, -87.0, 1e-30, -1e-30, 1e-40, -1e-40, 0.0, -0.0, float("nan"),
+                             -float("nan"), 50.0, -50.0])
+    gate_up[:, : len(specials)] = specials.to(dtype)
+    gate_up[1] = gate_up[0]
+    gate_up[1, inter - 1] = 100.0  # the second row's last vector holds a gate past the bound: the general loop
+    assert gate_up[0, :inter].float().abs().nan_to_num().max() <= 87.3
+    got = cpu_ext.load().silu_mul(gate_up)
+    bits = got.view(torch.int32 if dtype == torch.float32 else torch.int16)
+    assert torch.equal(bits[0, : inter - 1], bits[1, : inter - 1])
+    assert torch.isnan(got[0, 10]) and torch.isnan(got[0, 11])

@@ -31,7 +31,9 @@
 
 namespace {
 
+using loraplex_attention::vec::all_max;
 using loraplex_attention::vec::as_stored;
+using loraplex_attention::exp_reduced;
 using loraplex_attention::vec::exp_nonpositive;
 using loraplex_attention::vec::kLanes;
 using loraplex_attention::vec::load;
@@ -89,27 +91,51 @@ LORAPLEX_CLONES void add_rms_norm_rows(T* x, const T* r, const T* w, T* out, int
 // normal floats, but PyTorch's g / (1 + exp(-g)) is still a normal float (about -5e-37) down to
 // -88.72 (exp(-g) overflows below it). So the numerator is built from exp's reduced form e = y x 2^n
 // (`exp_reduced`), as below. NaN stays NaN.
+//
+// A span whose |g| are all at most 87.3 (a model's activations nearly always) never meets that window:
+// e = y x 2^n is a normal float with n >= -126, so the general loop's selects pick y x 2^n and g x e,
+// and the first loop computes just those, the same bits with about a third fewer operations (a 512 x
+// 1536 SiLU x up 14% faster on a Zen 4 EPYC, medians of 21 in turns). Checking the span first costs a
+// load, an and and a max per vector; a NaN lane is passed over by the max and gets the same NaN from
+// either loop (y is NaN, whatever 2^n becomes).
 template <int W, typename T>
 LORAPLEX_CLONES void silu_mul_span(const T* g, const T* u, T* o, int64_t I) {
   using V = typename VecOf<W>::f;
+  using U = typename VecOf<W>::u;
   const int64_t Iv = I / kLanes * kLanes;  // the same tail as with 16 lanes
+  V big{};  // the largest |g| by lane
   for (int64_t i = 0; i < Iv; i += W) {
-    const V gv = load<W>(g + i);
-    V y, n;
-    const V x = gv < 0.f ? gv : -gv;  // -|g|
-    const V e = exp_nonpositive(x, y, n);
-    // g x e = (g x y) x 2^n with 2^n as two normal factors, 2^max(n, -126) and 2^(max(n, -128) -
-    // max(n, -126)) (1, 1/2 or 1/4): g x y is rounded once and both scalings are exact while the result
-    // is a normal float, so the same bits as g x e where e is not flushed, and PyTorch's value (within a
-    // few ulps) in the window.
-    // (Each select tests one comparison: GCC expands a select on a mask used twice lane by lane in
-    // the avx512f clone, five times slower.)
-    const V clamped = n >= -126.f ? n : splat<V>(-126.f);  // NaN: -126 (the lane takes g x e, NaN)
-    const V lowest = n >= -128.f ? n : splat<V>(-128.f);
-    const V scaled = ((gv * y) * pow2(clamped)) * pow2(lowest - clamped);
-    // below -88.72 (PyTorch's exp(-g) is inf there): g x e, that is -0, and NaN for -inf
-    const V num = gv >= 0.f ? gv : (x >= -88.72283172607421875f ? scaled : gv * e);
-    store<W>(o + i, as_stored<T>(num / (e + 1.f)) * load<W>(u + i));  // store rounds the product
+    const V a = reinterpret_cast<V>(reinterpret_cast<U>(load<W>(g + i)) & 0x7FFFFFFFu);
+    big = a > big ? a : big;
+  }
+  if (Iv && all_max(big)[0] <= 87.3f) {
+    for (int64_t i = 0; i < Iv; i += W) {
+      const V gv = load<W>(g + i);
+      V n;
+      const V x = gv < 0.f ? gv : -gv;  // -|g|
+      const V e = exp_reduced(x, n) * pow2(n);
+      const V num = gv >= 0.f ? gv : gv * e;
+      store<W>(o + i, as_stored<T>(num / (e + 1.f)) * load<W>(u + i));  // store rounds the product
+    }
+  } else {
+    for (int64_t i = 0; i < Iv; i += W) {
+      const V gv = load<W>(g + i);
+      V y, n;
+      const V x = gv < 0.f ? gv : -gv;  // -|g|
+      const V e = exp_nonpositive(x, y, n);
+      // g x e = (g x y) x 2^n with 2^n as two normal factors, 2^max(n, -126) and 2^(max(n, -128) -
+      // max(n, -126)) (1, 1/2 or 1/4): g x y is rounded once and both scalings are exact while the
+      // result is a normal float, so the same bits as g x e where e is not flushed, and PyTorch's value
+      // (within a few ulps) in the window.
+      // (Each select tests one comparison: GCC expands a select on a mask used twice lane by lane in
+      // the avx512f clone, five times slower.)
+      const V clamped = n >= -126.f ? n : splat<V>(-126.f);  // NaN: -126 (the lane takes g x e, NaN)
+      const V lowest = n >= -128.f ? n : splat<V>(-128.f);
+      const V scaled = ((gv * y) * pow2(clamped)) * pow2(lowest - clamped);
+      // below -88.72 (PyTorch's exp(-g) is inf there): g x e, that is -0, and NaN for -inf
+      const V num = gv >= 0.f ? gv : (x >= -88.72283172607421875f ? scaled : gv * e);
+      store<W>(o + i, as_stored<T>(num / (e + 1.f)) * load<W>(u + i));  // store rounds the product
+    }
   }
   for (int64_t i = Iv; i < I; ++i) {
     const float gi = static_cast<float>(g[i]);
