@@ -148,14 +148,9 @@ class Attention(nn.Module):
             o = self._rows_only(x, positions, kv_cache, attn, lora, rows)
             if o is None:
                 return self.forward(x, positions, kv_cache, attn, lora)[rows]
-            if rows_lora is not None and "o_proj" in self.lora:
-                return lora_linear(o, self.o_proj, [self.lora["o_proj"]], rows_lora)
-            return base_linear(self.o_proj, o)
+            return self._o_proj(o, rows_lora)
         cfg = self.cfg
-        if lora is not None and "q_proj" in self.lora:
-            qkv = lora_linear(x, self.qkv_proj, [self.lora["q_proj"], self.lora["k_proj"], self.lora["v_proj"]], lora)
-        else:
-            qkv = base_linear(self.qkv_proj, x)  # [T, q + 2 kv]
+        qkv = self._qkv_proj(x, lora)  # [T, q + 2 kv]
         rotated = self.rope.rotate_qk_(positions, qkv, cfg.num_attention_heads + cfg.num_key_value_heads, cfg.head_dim)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_attention_heads, cfg.head_dim)
@@ -164,6 +159,16 @@ class Attention(nn.Module):
         if not rotated:
             q, k = self.rope(positions, q, k)
         o = paged_attention(q, k, v, kv_cache, attn).reshape(-1, cfg.q_size)  # [T, nH * D]
+        return self._o_proj(o, lora)
+
+    def _qkv_proj(self, x: torch.Tensor, lora: LoRAMeta | None) -> torch.Tensor:
+        """The fused q/k/v projection x [T, H] -> [T, q + 2 kv], with the rows' q/k/v adapters."""
+        if lora is not None and "q_proj" in self.lora:
+            return lora_linear(x, self.qkv_proj, [self.lora["q_proj"], self.lora["k_proj"], self.lora["v_proj"]], lora)
+        return base_linear(self.qkv_proj, x)
+
+    def _o_proj(self, o: torch.Tensor, lora: LoRAMeta | None) -> torch.Tensor:
+        """o_proj o [T, nH x D] -> [T, H], with the rows' o_proj adapters."""
         if lora is not None and "o_proj" in self.lora:
             return lora_linear(o, self.o_proj, [self.lora["o_proj"]], lora)
         return base_linear(self.o_proj, o)
@@ -181,9 +186,9 @@ class Attention(nn.Module):
         sums in another order for a prefill row)."""
         cfg = self.cfg
         heads, kv_heads, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        if x.dtype not in FUSED_DTYPES or attention.rows_kernel(x.device, heads, kv_heads, dim) is None:
+        ext = attention.rows_kernel(x.device, heads, kv_heads, dim)
+        if x.dtype not in FUSED_DTYPES or ext is None:
             return None
-        ext = cpu_ext.load()
         q = kv = None
         if lora is None or "q_proj" not in self.lora:
             kv = cpu_gemm.linear_columns(self.qkv_proj, x, cfg.q_size, cfg.q_size + 2 * cfg.kv_size)  # [T, 2 kv]
@@ -191,11 +196,7 @@ class Attention(nn.Module):
                 q = cpu_gemm.linear_columns(self.qkv_proj, x[rows], 0, cfg.q_size) if len(rows) else \
                     x.new_empty((0, cfg.q_size))  # [B, q]
         if q is None or kv is None:
-            if lora is not None and "q_proj" in self.lora:
-                qkv = lora_linear(x, self.qkv_proj, [self.lora["q_proj"], self.lora["k_proj"], self.lora["v_proj"]],
-                                  lora)
-            else:
-                qkv = base_linear(self.qkv_proj, x)  # [T, q + 2 kv]
+            qkv = self._qkv_proj(x, lora)  # [T, q + 2 kv]
             q, kv = qkv[rows, : cfg.q_size], qkv[:, cfg.q_size:]
         cos, sin = self.rope.rows(positions, x.dtype)  # [T, D]
         ext.rope_inplace(kv, cos, sin, kv_heads, dim)  # k's heads come first in kv's columns
