@@ -116,31 +116,68 @@ def ratio_table(main: dict[str, Summary]) -> list[str]:
     return lines
 
 
+def pairs_of(runs: list) -> list[tuple[str, dict]]:
+    """Experiments of one pairs group (`Bench.measure_pairs`), in run order, two by two: for each pair the
+    system that ran first and {system: Experiment}. A last odd run (an interrupted bench) is left out."""
+    return [(runs[i].system, {runs[i].system: runs[i], runs[i + 1].system: runs[i + 1]})
+            for i in range(0, len(runs) - 1, 2)]
+
+
+def _median_x(xs: list[float | None]) -> str:
+    """The median of the ratios that exist, bold, or a dash when none does."""
+    from statistics import median
+
+    xs = [x for x in xs if x is not None]
+    return f"**{median(xs):.2f}x**" if xs else "–"
+
+
 def http_pairs_table(pairs: list) -> list[str]:
     """The in-process/HTTP pairs of runs (`Preset.http_pairs`: Experiments of group "pairs", two by two in
     run order, each two an "engine" and an "http" run in either order) as a table with each pair's ratios
     and their medians (over the pairs where both runs made tokens)."""
-    from statistics import median
-
-    def med(xs: list[float | None]) -> str:
-        xs = [x for x in xs if x is not None]
-        return f"**{median(xs):.2f}x**" if xs else "–"
-
     lines = ["| pair | in-process tok/s | its CPU s | HTTP tok/s | server CPU s | client CPU s | "
              "HTTP / in-process tok/s | TTFT p50 (lower: HTTP better) |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     tput, ttft = [], []
-    for i in range(0, len(pairs) - 1, 2):
-        runs = {pairs[i].system: pairs[i].summary, pairs[i + 1].system: pairs[i + 1].summary}
-        e, h = runs["engine"], runs["http"]
+    for i, (first, runs) in enumerate(pairs_of(pairs)):
+        e, h = runs["engine"].summary, runs["http"].summary
         tput.append(_div(h.output_tokens_per_s, e.output_tokens_per_s))
         ttft.append(_div(h.ttft[50], e.ttft[50]))
-        first = "HTTP first" if pairs[i].system == "http" else "in-process first"
-        lines.append(f"| {i // 2 + 1} ({first}) | {e.output_tokens_per_s:.1f} | {_f(e.stats.server_cpu_s)} | "
+        order = "HTTP first" if first == "http" else "in-process first"
+        lines.append(f"| {i + 1} ({order}) | {e.output_tokens_per_s:.1f} | {_f(e.stats.server_cpu_s)} | "
                      f"{h.output_tokens_per_s:.1f} | {_f(h.stats.server_cpu_s)} | {_f(h.stats.client_cpu_s)} | "
                      f"{_x(tput[-1])} | {_x(ttft[-1])} |")
     if tput:
-        lines.append(f"| median | | | | | | {med(tput)} | {med(ttft)} |")
+        lines.append(f"| median | | | | | | {_median_x(tput)} | {_median_x(ttft)} |")
+    return lines
+
+
+def peer_pairs_table(pairs: list, main: dict[str, Summary] | None = None) -> list[str]:
+    """The base-only pairs of runs with vLLM (`Preset.peer_pairs`: Experiments of group "peer-pairs", two by
+    two in run order, each a "base" and a "vllm-base" run in either order): each pair's output tokens/s,
+    ours / vLLM's throughput, TTFT p50 and TPOT p50, and the greedy agreement of the two runs' tokens; then
+    the medians over the pairs, and, where `main` (the side-by-side run's {system: Summary}) holds both
+    systems, the median throughput ratio over all the run's comparisons, that one included."""
+    lines = ["| pair | loraplex tok/s | vLLM tok/s | loraplex / vLLM tok/s | TTFT p50 (lower: loraplex better) | "
+             "TPOT p50 | greedy agreement |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    tput, ttft, tpot = [], [], []
+    for i, (first, runs) in enumerate(pairs_of(pairs)):
+        ours, theirs = runs["base"], runs["vllm-base"]
+        a, b = ours.summary, theirs.summary
+        tput.append(_div(a.output_tokens_per_s, b.output_tokens_per_s))
+        ttft.append(_div(a.ttft[50], b.ttft[50]))
+        tpot.append(_div(a.tpot[50], b.tpot[50]))
+        same = sum(x.token_ids == y.token_ids for x, y in zip(ours.records, theirs.records, strict=True))
+        order = "vLLM first" if first == "vllm-base" else "loraplex first"
+        lines.append(f"| {i + 1} ({order}) | {a.output_tokens_per_s:.1f} | {b.output_tokens_per_s:.1f} | "
+                     f"{_x(tput[-1])} | {_x(ttft[-1])} | {_x(tpot[-1])} | {same} of {len(ours.records)} |")
+    if tput:
+        lines.append(f"| median | | | {_median_x(tput)} | {_median_x(ttft)} | {_median_x(tpot)} | |")
+        if main and "base" in main and "vllm-base" in main:
+            every = [_div(main["base"].output_tokens_per_s, main["vllm-base"].output_tokens_per_s), *tput]
+            lines += ["", f"Base-only, loraplex / vLLM output tok/s over all {len(every)} comparisons of this run "
+                      f"(the side-by-side one and the pairs): median {_median_x(every)}."]
     return lines
 
 
@@ -246,6 +283,15 @@ def write(out: Path, bench, *, command: str, elapsed_s: float) -> None:
                   "replay; the server's holds the engine's threads, its event loop, the database and usage "
                   "threads; the client is this process (aiohttp).", ""]
         lines += [*http_pairs_table(pairs), ""]
+
+    peer = [e for e in results if e.group == "peer-pairs"]
+    if peer:
+        lines += ["## Base-only against vLLM, pair by pair", "",
+                  f"Both base-only engines on the main workload {len(peer) // 2} more times, back to back (every "
+                  "other pair vLLM first), so that each ratio compares runs a minute or two apart: a shared VM's "
+                  "speed drifts by up to 10% within minutes (docs/performance.md), which moves one side-by-side "
+                  "ratio more than most code changes do; the medians are the figures to read.", ""]
+        lines += [*peer_pairs_table(peer, main), ""]
 
     rate = [e for e in results if e.group == "rate"]
     if rate:

@@ -66,6 +66,9 @@ class Preset:
     # Pairs of runs of the main workload, in-process engine and HTTP back to back (every other pair HTTP
     # first), for the gateway's cost: the median of their ratios (a shared VM drifted 10-15% between runs)
     http_pairs: int = 0
+    # Pairs of base-only runs, ours and vLLM's (every other pair vLLM first), for the base-only ratio: one
+    # side-by-side run lands anywhere in a drifting VM's band, the median of the pairs less so
+    peer_pairs: int = 0
 
 
 def _small() -> Preset:
@@ -117,7 +120,7 @@ def _vllm() -> Preset:
     main = WorkloadSpec(num_adapters=16, alpha=0.0, rate=float("inf"), num_requests=64, prompt_len=(32, 257),
                         output_len=(64, 65), num_tenants=16)
     return Preset(dtype="float32", main=main, systems=("engine", "base", "vllm", "vllm-base"), rates=(),
-                  num_adapters=(), alphas=(), max_loras=16, max_cpu_loras=16, max_num_seqs=64)
+                  num_adapters=(), alphas=(), max_loras=16, max_cpu_loras=16, max_num_seqs=64, peer_pairs=3)
 
 
 PRESETS = {"small": _small, "full": _full, "gpu-s1": _gpu_s1, "engine-throughput": _engine_throughput,
@@ -271,12 +274,16 @@ class Bench:
             self.measure("main", spec, system, main)
         if p.http_pairs:
             if {"engine", "http"} <= set(p.systems) and p.load_format != "dummy":
-                for i in range(p.http_pairs):  # every other pair HTTP first, so a drifting machine favours neither
-                    for system in ("engine", "http") if i % 2 == 0 else ("http", "engine"):
-                        self.measure("pairs", spec, system, main, reuse=False)
+                self.measure_pairs("pairs", spec, ("engine", "http"), p.http_pairs, main)
             else:
                 self.skipped.append("the in-process/HTTP pairs: they need the engine and http systems and the "
                                     "model's files (not --load-format dummy)")
+        if p.peer_pairs:
+            if {"base", "vllm-base"} <= set(p.systems) and p.load_format != "dummy" and self.peer_python:
+                self.measure_pairs("peer-pairs", spec, ("base", "vllm-base"), p.peer_pairs, main)
+            else:
+                self.skipped.append("the base-only pairs with vLLM: they need the base and vllm-base systems, vLLM "
+                                    "installed and the model's files (not --load-format dummy)")
         for rate in p.rates:
             for system in ("engine", "static", "base"):
                 self.measure("rate", replace(p.main, rate=rate), system, generate(replace(p.main, rate=rate)))
@@ -289,6 +296,16 @@ class Bench:
                 self.measure("alpha", s, "engine", generate(s))
         for rank in p.cold_load_ranks:
             self.measure_cold_load(rank)
+
+    def measure_pairs(self, group: str, spec: WorkloadSpec | None, systems: tuple[str, str], n: int,
+                      workload: Workload) -> None:
+        """Run `systems` (a, b) on `workload` `n` more times each, back to back in pairs, a first in even
+        pairs and b first in odd ones, so that a machine drifting during the run favours neither; recorded
+        under `group` in run order (`report.pairs_of` reads them back two by two)."""
+        a, b = systems
+        for i in range(n):
+            for system in (a, b) if i % 2 == 0 else (b, a):
+                self.measure(group, spec, system, workload, reuse=False)
 
     def measure_cold_load(self, rank: int, repeats: int = 3) -> None:
         """Seconds to bring one adapter of `rank` from disk into host memory, through every check (as after
@@ -341,8 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", type=Path, help="JSONL trace to replay as the main workload")
     ap.add_argument("--systems", help="comma-separated subset of engine,static,peft,base,http for the main workload")
     ap.add_argument("--main-only", action="store_true",
-                    help="run the main workload only (with its in-process/HTTP pairs; --http-pairs 0 for none), "
-                         "not the rate, adapter-count and alpha sweeps")
+                    help="run the main workload only (with its pairs of runs; --http-pairs 0 and --peer-pairs 0 "
+                         "for none), not the rate, adapter-count and alpha sweeps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=usable_cpus(),
                     help="torch CPU threads (default: the CPUs this process may use)")
@@ -351,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory, instead of the preset's")
     ap.add_argument("--http-pairs", type=int,
                     help="in-process/HTTP pairs of runs for the gateway's cost, instead of the preset's (0: none)")
+    ap.add_argument("--peer-pairs", type=int,
+                    help="pairs of base-only runs, ours and vLLM's, for the base-only ratio, instead of the "
+                         "preset's (0: none)")
     ap.add_argument("--peer-python", help="the Python of a vLLM virtualenv for the vllm systems (default "
                                           "$LORAPLEX_PEER_PYTHON, else .peer/vllm/bin/python from scripts/peer-vllm)")
     args = ap.parse_args(argv)
@@ -395,10 +415,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"report written to {out}")
         return 0
     preset = PRESETS[args.preset]()
-    if args.http_pairs is not None and args.http_pairs < 0:
-        ap.error(f"--http-pairs must be >= 0, got {args.http_pairs}")
+    for flag, value in (("--http-pairs", args.http_pairs), ("--peer-pairs", args.peer_pairs)):
+        if value is not None and value < 0:
+            ap.error(f"{flag} must be >= 0, got {value}")
     overrides = {"model": args.model, "load_format": args.load_format, "max_cpu_loras": args.max_cpu_loras,
-                 "http_pairs": args.http_pairs}
+                 "http_pairs": args.http_pairs, "peer_pairs": args.peer_pairs}
     preset = dataclasses.replace(preset, **{k: v for k, v in overrides.items() if v is not None})
     preset.main = replace(preset.main, seed=args.seed)
     if args.systems:

@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,7 @@ def test_a_refused_request_is_that_requests_failure_not_the_runs(tmp_path):
     (["--systems", "engine,sglang"], "unknown systems ['sglang']"),
     (["--trace", "/nonexistent/trace.jsonl"], "No such file"),
     (["--http-pairs", "-1"], "--http-pairs must be >= 0, got -1"),
+    (["--preset", "vllm", "--peer-pairs", "-2"], "--peer-pairs must be >= 0, got -2"),
 ])
 def test_cli_refuses_bad_arguments_before_loading_the_model(args, message):
     out = subprocess.run([sys.executable, "-m", "loraplex.cli", "bench", *args], capture_output=True, text=True,
@@ -227,3 +229,29 @@ def test_a_repeated_run_is_recorded_but_other_tables_reuse_the_first(bench):
         assert bench.measure("later", spec, "engine", generate(spec)) is first
     finally:
         del bench.results[n:]
+
+
+def test_pairs_alternate_which_system_runs_first_and_never_stand_in_for_the_first_run():
+    """`Bench.measure_pairs`: n pairs, a first in even pairs and b first in odd ones, each a repeat
+    (reuse=False), under the pairs' group; the vllm preset asks for three base-only pairs with vLLM and,
+    without vLLM installed, says it skipped them."""
+    from types import SimpleNamespace
+
+    from loraplex.bench.run import PRESETS
+
+    calls = []
+    fake = SimpleNamespace(measure=lambda group, spec, system, work, *, reuse: calls.append((group, system, reuse)))
+    Bench.measure_pairs(fake, "peer-pairs", None, ("base", "vllm-base"), 3, None)
+    assert calls == [("peer-pairs", "base", False), ("peer-pairs", "vllm-base", False),
+                     ("peer-pairs", "vllm-base", False), ("peer-pairs", "base", False),
+                     ("peer-pairs", "base", False), ("peer-pairs", "vllm-base", False)]
+    assert PRESETS["vllm"]().peer_pairs == 3 and PRESETS["small"]().peer_pairs == 0
+
+    skipped, measured = [], []
+    fake = SimpleNamespace(preset=replace(PRESETS["vllm"](), systems=("base", "vllm-base")), peer_python=None,
+                           skipped=skipped, measure=lambda group, spec, system, work, **kw: measured.append(group),
+                           measure_pairs=lambda *a: measured.append("pairs"))
+    Bench.run(fake, trace=SimpleNamespace(requests=[], num_output_tokens=0))
+    assert measured == ["main", "main"] and skipped == [
+        "the base-only pairs with vLLM: they need the base and vllm-base systems, vLLM installed and the "
+        "model's files (not --load-format dummy)"]

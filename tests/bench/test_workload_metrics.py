@@ -217,3 +217,36 @@ def test_http_pairs_table_gives_each_pairs_ratios_and_their_medians():
     assert lines[5] == "| 4 (in-process first) | 10.0 | 9.00 | 0.0 | – | – | 0.00x | – |"
     assert lines[-1] == "| median | | | | | | **0.85x** | **1.50x** |"
     assert http_pairs_table([]) == lines[:2]
+
+
+def test_peer_pairs_table_gives_each_pairs_ratios_agreement_and_the_runs_median():
+    """Base-only pairs with vLLM (a base and a vllm-base run, in either order): each pair's tok/s, ours /
+    vLLM's throughput, TTFT p50 and TPOT p50, the greedy agreement of the two runs, the medians over the
+    pairs, and the median over every comparison of the run with the side-by-side one."""
+    from types import SimpleNamespace
+
+    from loraplex.bench.report import peer_pairs_table
+
+    def run(system: str, tokens: int, ttft: float, ids: list[list[int]]):
+        # len(ids) requests arriving at 0, first token at ttft, done at 10 s, `tokens` output tokens each
+        recs = [RequestRecord(arrival_s=0.0, first_token_s=ttft, finish_s=10.0, num_prompt_tokens=4,
+                              num_output_tokens=tokens, token_ids=t) for t in ids]
+        return SimpleNamespace(system=system, records=recs, summary=summarize(system, recs, RunStats(), SLO()))
+
+    same, other = [[1, 2], [3, 4]], [[1, 2], [3, 5]]
+    pairs = [run("base", 120, 0.2, same), run("vllm-base", 100, 0.3, same),    # 1.20x, TTFT 0.67x, 2 of 2
+             run("vllm-base", 100, 0.2, other), run("base", 110, 0.2, same),   # vLLM first: 1.10x, 1.00x, 1 of 2
+             run("base", 130, 0.1, same), run("vllm-base", 100, 0.2, same)]    # 1.30x, 0.50x
+    main = {"base": run("base", 100, 0.2, same).summary, "vllm-base": run("vllm-base", 100, 0.2, same).summary}
+    lines = peer_pairs_table(pairs, main)
+    # TPOT: (10 - ttft) / (tokens - 1) s per token for every request of a run
+    assert lines[2] == "| 1 (loraplex first) | 24.0 | 20.0 | 1.20x | 0.67x | 0.84x | 2 of 2 |"
+    assert lines[3] == "| 2 (vLLM first) | 22.0 | 20.0 | 1.10x | 1.00x | 0.91x | 1 of 2 |"
+    assert lines[4] == "| 3 (loraplex first) | 26.0 | 20.0 | 1.30x | 0.50x | 0.78x | 2 of 2 |"
+    assert lines[5] == "| median | | | **1.20x** | **0.67x** | **0.84x** | |"
+    # with the side by side's 1.00x: 1.00, 1.20, 1.10, 1.30 -> 1.15
+    assert lines[-1].endswith("over all 4 comparisons of this run (the side-by-side one and the pairs): "
+                              "median **1.15x**.")
+    assert peer_pairs_table(pairs[:4])[-1].startswith("| median | | | **1.15x**")  # no side by side: pairs only
+    assert peer_pairs_table(pairs[:5]) == peer_pairs_table(pairs[:4])  # an odd last run (interrupted) left out
+    assert peer_pairs_table([]) == lines[:2]
