@@ -2,8 +2,9 @@
 (`csrc/bgmv_cpu.cpp`), the paged attention (`csrc/paged_attention_cpu.cpp`) and fp32 linears on
 prepacked weights (`csrc/gemm_cpu.cpp`, loraplex's GEMM for AVX2 and AVX-512; `csrc/packed_gemm_cpu.cpp`,
 MKL's packed GEMM), RoPE in place
-(`csrc/rope_cpu.cpp`) and the decoder's residual add + RMSNorm and SiLU x up in one pass each
-(`csrc/norm_act_cpu.cpp`), one library.
+(`csrc/rope_cpu.cpp`), the decoder's residual add + RMSNorm and SiLU x up in one pass each
+(`csrc/norm_act_cpu.cpp`) and the sampler's greedy pick from fp32 logits (`csrc/first_max_cpu.cpp`), one
+library.
 
 PyTorch's C++ extension loader compiles it with the machine's C++ compiler and ninja (about 20 s on
 a 2-core CPU) under `$TORCH_EXTENSIONS_DIR/loraplex` (default `~/.cache/torch_extensions/loraplex`);
@@ -43,8 +44,8 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "module.cpp", CSRC / "bgmv_cpu.cpp", CSRC / "paged_attention_cpu.cpp", CSRC / "paged_decode_cpu.cpp",
            CSRC / "paged_prefill_cpu.cpp", CSRC / "packed_gemm_cpu.cpp", CSRC / "gemm_cpu.cpp",
-           CSRC / "greedy_head_cpu.cpp", CSRC / "rope_cpu.cpp", CSRC / "norm_act_cpu.cpp",
-           CSRC / "layer_cpu.cpp"]
+           CSRC / "greedy_head_cpu.cpp", CSRC / "first_max_cpu.cpp", CSRC / "rope_cpu.cpp",
+           CSRC / "norm_act_cpu.cpp", CSRC / "layer_cpu.cpp"]
 HEADERS = [CSRC / "entry_points.h", CSRC / "paged_attention.h", CSRC / "paged_vec.h", CSRC / "bgmv_rows.inc"]
 CFLAGS = ("-O3", "-fopenmp")
 LDFLAGS = ("-fopenmp",)

@@ -28,6 +28,7 @@ at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 at::Tensor greedy_head_pack(const at::Tensor& weight);
 std::vector<at::Tensor> greedy_head(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& norms,
                                     const at::Tensor& weight);
+at::Tensor first_max(const at::Tensor& logits, const std::string& path);
 bool packed_gemm_available();
 at::Tensor packed_gemm_pack(const at::Tensor& weight);
 int64_t packed_gemm_bytes(int64_t n, int64_t k);

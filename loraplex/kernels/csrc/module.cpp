@@ -1,5 +1,6 @@
 // The CPU extension's Python module: the functions of bgmv_cpu.cpp, paged_attention_cpu.cpp,
-// packed_gemm_cpu.cpp, gemm_cpu.cpp, greedy_head_cpu.cpp, rope_cpu.cpp, norm_act_cpu.cpp and layer_cpu.cpp.
+// packed_gemm_cpu.cpp, gemm_cpu.cpp, greedy_head_cpu.cpp, first_max_cpu.cpp, rope_cpu.cpp,
+// norm_act_cpu.cpp and layer_cpu.cpp.
 //
 // Every function that computes on tensors runs without the GIL (NOGIL below; bgmv and paged_attention let
 // it go themselves, after their checks): under `loraplex serve` the engine thread shares its process with
@@ -39,6 +40,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(tokens, candidates): each row's argmax of x @ weight^T by a bf16 screen and an exact fp32 recheck, "
         "-1 where the row is left to the caller (see greedy_head_cpu.cpp)",
         py::arg("x"), py::arg("packed"), py::arg("norms"), py::arg("weight"));
+  m.def("first_max", &first_max, NOGIL,
+        "Each row's first largest value's index of fp32 logits [B, V] (logits.max(dim=-1).indices), -1 for a "
+        "row holding a NaN; path: auto, avx512, avx2 or scalar (see first_max_cpu.cpp)",
+        py::arg("logits"), py::arg("path") = "auto");
   m.def("packed_gemm_available", &packed_gemm_available, "Whether this PyTorch's MKL has the packed GEMM");
   m.def("packed_gemm_pack", &packed_gemm_pack, NOGIL, "An fp32 [N, K] weight packed for packed_gemm_linear");
   m.def("packed_gemm_bytes", &packed_gemm_bytes, "Bytes of a packed [N, K] weight");
