@@ -118,7 +118,7 @@ def ratio_table(main: dict[str, Summary]) -> list[str]:
 
 def pairs_of(runs: list) -> list[tuple[str, dict]]:
     """Experiments of one pairs group (`Bench.measure_pairs`), in run order, two by two: for each pair the
-    system that ran first and {system: Experiment}. A last odd run (an interrupted bench) is left out."""
+    system that ran first and {system: Experiment}. A last run without its pair is left out."""
     return [(runs[i].system, {runs[i].system: runs[i], runs[i + 1].system: runs[i + 1]})
             for i in range(0, len(runs) - 1, 2)]
 
@@ -152,12 +152,11 @@ def http_pairs_table(pairs: list) -> list[str]:
     return lines
 
 
-def peer_pairs_table(pairs: list, main: dict[str, Summary] | None = None) -> list[str]:
+def peer_pairs_table(pairs: list) -> list[str]:
     """The base-only pairs of runs with vLLM (`Preset.peer_pairs`: Experiments of group "peer-pairs", two by
     two in run order, each a "base" and a "vllm-base" run in either order): each pair's output tokens/s,
     ours / vLLM's throughput, TTFT p50 and TPOT p50, and the greedy agreement of the two runs' tokens; then
-    the medians over the pairs, and, where `main` (the side-by-side run's {system: Summary}) holds both
-    systems, the median throughput ratio over all the run's comparisons, that one included."""
+    the medians over the pairs where both runs made tokens."""
     lines = ["| pair | loraplex tok/s | vLLM tok/s | loraplex / vLLM tok/s | TTFT p50 (lower: loraplex better) | "
              "TPOT p50 | greedy agreement |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
@@ -174,10 +173,6 @@ def peer_pairs_table(pairs: list, main: dict[str, Summary] | None = None) -> lis
                      f"{_x(tput[-1])} | {_x(ttft[-1])} | {_x(tpot[-1])} | {same} of {len(ours.records)} |")
     if tput:
         lines.append(f"| median | | | {_median_x(tput)} | {_median_x(ttft)} | {_median_x(tpot)} | |")
-        if main and "base" in main and "vllm-base" in main:
-            every = [_div(main["base"].output_tokens_per_s, main["vllm-base"].output_tokens_per_s), *tput]
-            lines += ["", f"Base-only, loraplex / vLLM output tok/s over all {len(every)} comparisons of this run "
-                      f"(the side-by-side one and the pairs): median {_median_x(every)}."]
     return lines
 
 
@@ -288,10 +283,11 @@ def write(out: Path, bench, *, command: str, elapsed_s: float) -> None:
     if peer:
         lines += ["## Base-only against vLLM, pair by pair", "",
                   f"Both base-only engines on the main workload {len(peer) // 2} more times, back to back (every "
-                  "other pair vLLM first), so that each ratio compares runs a minute or two apart: a shared VM's "
-                  "speed drifts by up to 10% within minutes (docs/performance.md), which moves one side-by-side "
-                  "ratio more than most code changes do; the medians are the figures to read.", ""]
-        lines += [*peer_pairs_table(peer, main), ""]
+                  "other pair vLLM first), so that each ratio compares runs a minute or two apart. The side-by-side "
+                  "table's two base-only runs are minutes apart, with vLLM's LoRA run between them, and a shared "
+                  "VM's speed drifts by up to 10% within minutes (docs/performance.md), more than most code "
+                  "changes move the ratio: the median of the pairs is the base-only figure to read.", ""]
+        lines += [*peer_pairs_table(peer), ""]
 
     rate = [e for e in results if e.group == "rate"]
     if rate:

@@ -66,8 +66,9 @@ class Preset:
     # Pairs of runs of the main workload, in-process engine and HTTP back to back (every other pair HTTP
     # first), for the gateway's cost: the median of their ratios (a shared VM drifted 10-15% between runs)
     http_pairs: int = 0
-    # Pairs of base-only runs, ours and vLLM's (every other pair vLLM first), for the base-only ratio: one
-    # side-by-side run lands anywhere in a drifting VM's band, the median of the pairs less so
+    # Pairs of base-only runs, ours and vLLM's (every other pair vLLM first: an even count puts each first
+    # equally often), for the base-only ratio: the side-by-side runs are minutes apart (vLLM's LoRA run
+    # between them) and land anywhere in a drifting VM's band, the median of back-to-back pairs less so
     peer_pairs: int = 0
 
 
@@ -120,7 +121,7 @@ def _vllm() -> Preset:
     main = WorkloadSpec(num_adapters=16, alpha=0.0, rate=float("inf"), num_requests=64, prompt_len=(32, 257),
                         output_len=(64, 65), num_tenants=16)
     return Preset(dtype="float32", main=main, systems=("engine", "base", "vllm", "vllm-base"), rates=(),
-                  num_adapters=(), alphas=(), max_loras=16, max_cpu_loras=16, max_num_seqs=64, peer_pairs=3)
+                  num_adapters=(), alphas=(), max_loras=16, max_cpu_loras=16, max_num_seqs=64, peer_pairs=4)
 
 
 PRESETS = {"small": _small, "full": _full, "gpu-s1": _gpu_s1, "engine-throughput": _engine_throughput,
@@ -279,11 +280,13 @@ class Bench:
                 self.skipped.append("the in-process/HTTP pairs: they need the engine and http systems and the "
                                     "model's files (not --load-format dummy)")
         if p.peer_pairs:
-            if {"base", "vllm-base"} <= set(p.systems) and p.load_format != "dummy" and self.peer_python:
+            why = ("they need the base and vllm-base systems" if not {"base", "vllm-base"} <= set(p.systems) else
+                   "they need the model's files (not --load-format dummy)" if p.load_format == "dummy" else
+                   "vLLM is not installed" if self.peer_python is None else None)
+            if why is None:
                 self.measure_pairs("peer-pairs", spec, ("base", "vllm-base"), p.peer_pairs, main)
             else:
-                self.skipped.append("the base-only pairs with vLLM: they need the base and vllm-base systems, vLLM "
-                                    "installed and the model's files (not --load-format dummy)")
+                self.skipped.append(f"the base-only pairs with vLLM: {why}")
         for rate in p.rates:
             for system in ("engine", "static", "base"):
                 self.measure("rate", replace(p.main, rate=rate), system, generate(replace(p.main, rate=rate)))

@@ -233,8 +233,8 @@ def test_a_repeated_run_is_recorded_but_other_tables_reuse_the_first(bench):
 
 def test_pairs_alternate_which_system_runs_first_and_never_stand_in_for_the_first_run():
     """`Bench.measure_pairs`: n pairs, a first in even pairs and b first in odd ones, each a repeat
-    (reuse=False), under the pairs' group; the vllm preset asks for three base-only pairs with vLLM and,
-    without vLLM installed, says it skipped them."""
+    (reuse=False), under the pairs' group; the vllm preset asks for four base-only pairs with vLLM (each
+    engine first in two) and, where they cannot run, says why."""
     from types import SimpleNamespace
 
     from loraplex.bench.run import PRESETS
@@ -245,13 +245,22 @@ def test_pairs_alternate_which_system_runs_first_and_never_stand_in_for_the_firs
     assert calls == [("peer-pairs", "base", False), ("peer-pairs", "vllm-base", False),
                      ("peer-pairs", "vllm-base", False), ("peer-pairs", "base", False),
                      ("peer-pairs", "base", False), ("peer-pairs", "vllm-base", False)]
-    assert PRESETS["vllm"]().peer_pairs == 3 and PRESETS["small"]().peer_pairs == 0
+    assert PRESETS["vllm"]().peer_pairs == 4 and PRESETS["small"]().peer_pairs == 0
 
-    skipped, measured = [], []
-    fake = SimpleNamespace(preset=replace(PRESETS["vllm"](), systems=("base", "vllm-base")), peer_python=None,
-                           skipped=skipped, measure=lambda group, spec, system, work, **kw: measured.append(group),
-                           measure_pairs=lambda *a: measured.append("pairs"))
-    Bench.run(fake, trace=SimpleNamespace(requests=[], num_output_tokens=0))
-    assert measured == ["main", "main"] and skipped == [
-        "the base-only pairs with vLLM: they need the base and vllm-base systems, vLLM installed and the "
-        "model's files (not --load-format dummy)"]
+    def run(preset, peer_python) -> tuple[list[str], list[str]]:
+        """Bench.run on a stand-in bench: the groups it measured (pairs by their group) and what it skipped."""
+        measured, skipped = [], []
+        fake = SimpleNamespace(preset=preset, peer_python=peer_python, skipped=skipped,
+                               measure=lambda group, spec, system, work, **kw: measured.append(group),
+                               measure_pairs=lambda group, *a: measured.append(group))
+        Bench.run(fake, trace=SimpleNamespace(requests=[], num_output_tokens=0))
+        return measured, skipped
+
+    vllm = PRESETS["vllm"]()
+    assert run(vllm, "/peer/python") == (["main"] * 4 + ["peer-pairs"], [])
+    for preset, peer, why in [
+            (replace(vllm, systems=("base", "vllm-base")), None, "vLLM is not installed"),
+            (replace(vllm, systems=("engine", "vllm")), "/peer/python", "they need the base and vllm-base systems"),
+            (replace(vllm, load_format="dummy"), "/peer/python", "they need the model's files (not --load-format dummy)")]:
+        measured, skipped = run(preset, peer)
+        assert "peer-pairs" not in measured and skipped == [f"the base-only pairs with vLLM: {why}"]

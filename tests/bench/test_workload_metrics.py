@@ -219,10 +219,10 @@ def test_http_pairs_table_gives_each_pairs_ratios_and_their_medians():
     assert http_pairs_table([]) == lines[:2]
 
 
-def test_peer_pairs_table_gives_each_pairs_ratios_agreement_and_the_runs_median():
+def test_peer_pairs_table_gives_each_pairs_ratios_agreement_and_their_medians():
     """Base-only pairs with vLLM (a base and a vllm-base run, in either order): each pair's tok/s, ours /
-    vLLM's throughput, TTFT p50 and TPOT p50, the greedy agreement of the two runs, the medians over the
-    pairs, and the median over every comparison of the run with the side-by-side one."""
+    vLLM's throughput, TTFT p50 and TPOT p50, the greedy agreement of the two runs, and the medians over
+    the pairs where both runs made tokens."""
     from types import SimpleNamespace
 
     from loraplex.bench.report import peer_pairs_table
@@ -234,19 +234,20 @@ def test_peer_pairs_table_gives_each_pairs_ratios_agreement_and_the_runs_median(
         return SimpleNamespace(system=system, records=recs, summary=summarize(system, recs, RunStats(), SLO()))
 
     same, other = [[1, 2], [3, 4]], [[1, 2], [3, 5]]
+    failed = SimpleNamespace(system="vllm-base", records=[RequestRecord(0.0, None, None, 4, 0, error="died")] * 2,
+                             summary=summarize("vllm-base", [RequestRecord(0.0, None, None, 4, 0, error="died")],
+                                               RunStats(), SLO()))
     pairs = [run("base", 120, 0.2, same), run("vllm-base", 100, 0.3, same),    # 1.20x, TTFT 0.67x, 2 of 2
              run("vllm-base", 100, 0.2, other), run("base", 110, 0.2, same),   # vLLM first: 1.10x, 1.00x, 1 of 2
-             run("base", 130, 0.1, same), run("vllm-base", 100, 0.2, same)]    # 1.30x, 0.50x
-    main = {"base": run("base", 100, 0.2, same).summary, "vllm-base": run("vllm-base", 100, 0.2, same).summary}
-    lines = peer_pairs_table(pairs, main)
+             run("base", 130, 0.1, same), run("vllm-base", 100, 0.2, same),   # 1.30x, 0.50x
+             run("base", 130, 0.1, same), failed]                             # vLLM made nothing: no ratio
+    lines = peer_pairs_table(pairs)
     # TPOT: (10 - ttft) / (tokens - 1) s per token for every request of a run
     assert lines[2] == "| 1 (loraplex first) | 24.0 | 20.0 | 1.20x | 0.67x | 0.84x | 2 of 2 |"
     assert lines[3] == "| 2 (vLLM first) | 22.0 | 20.0 | 1.10x | 1.00x | 0.91x | 1 of 2 |"
     assert lines[4] == "| 3 (loraplex first) | 26.0 | 20.0 | 1.30x | 0.50x | 0.78x | 2 of 2 |"
-    assert lines[5] == "| median | | | **1.20x** | **0.67x** | **0.84x** | |"
-    # with the side by side's 1.00x: 1.00, 1.20, 1.10, 1.30 -> 1.15
-    assert lines[-1].endswith("over all 4 comparisons of this run (the side-by-side one and the pairs): "
-                              "median **1.15x**.")
-    assert peer_pairs_table(pairs[:4])[-1].startswith("| median | | | **1.15x**")  # no side by side: pairs only
-    assert peer_pairs_table(pairs[:5]) == peer_pairs_table(pairs[:4])  # an odd last run (interrupted) left out
+    assert lines[5] == "| 4 (loraplex first) | 26.0 | 0.0 | – | – | – | 0 of 2 |"
+    assert lines[6] == "| median | | | **1.20x** | **0.67x** | **0.84x** | |" and len(lines) == 7
+    assert peer_pairs_table(pairs[:4])[-1] == "| median | | | **1.15x** | **0.83x** | **0.87x** | |"
+    assert peer_pairs_table(pairs[:5]) == peer_pairs_table(pairs[:4])  # a run without its pair is left out
     assert peer_pairs_table([]) == lines[:2]
