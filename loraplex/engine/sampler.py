@@ -113,8 +113,8 @@ def first_max(logits: torch.Tensor) -> list[int]:
     docs/performance.md), the same picks; other dtypes and devices, a machine without the kernels and a
     batch with a row the kernel leaves (a NaN, which `check_finite` keeps from getting here) take
     PyTorch's."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0 \
-            and logits.stride(-1) == 1:
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 \
+            and 0 < logits.shape[1] < 2**31 and logits.stride(-1) == 1 and not logits.is_neg():
         ext = cpu_ext.load()
         if ext is not None:
             tokens = ext.first_max(logits).tolist()

@@ -66,7 +66,7 @@ def test_first_max_gives_pytorchs_max_index_on_every_path_this_cpu_has(path):
         x[37, 0] = float("inf")
         x[37, -1] = float("inf")
         x[38] = torch.finfo(torch.float32).min
-        x[39] = torch.finfo(torch.float32).tiny * torch.randn(v, generator=gen).sign()  # subnormal-sized values
+        x[39] = torch.finfo(torch.float32).tiny * torch.rand(v, generator=gen) * x[39].sign()  # subnormals
         want = x.max(dim=-1).indices
         assert torch.equal(ext.first_max(x, path), want), (path, v)
         wide = torch.randn(40, v + 3, generator=gen)
@@ -90,7 +90,7 @@ def test_first_max_refuses_what_it_cannot_read():
     if ext is None:
         pytest.skip("no CPU kernels here")
     x = torch.randn(8, 16)
-    for bad in (x.t(), x.double(), x[:, :0], x[0]):
+    for bad in (x.t(), x.double(), x[:, :0], x[0], torch._neg_view(x)):  # a neg view's data is not its values
         with pytest.raises(RuntimeError, match="first_max: logits must be a 2-D fp32 CPU tensor with contiguous rows"):
             ext.first_max(bad, "auto")
     with pytest.raises(RuntimeError, match="first_max: no path 'avx1024'"):
@@ -122,5 +122,7 @@ def test_sample_takes_the_kernels_pick_and_pytorchs_where_it_cannot(monkeypatch)
     assert sampler.first_max(x) == x.max(dim=-1).indices.tolist()  # one row left: PyTorch's for the batch
     calls.clear()
     assert sampler.first_max(x.bfloat16()) == x.bfloat16().max(dim=-1).indices.tolist() and calls == []
+    negated = torch._neg_view(x)  # its data is x's: the kernel would read the wrong values
+    assert sampler.first_max(negated) == (-x).max(dim=-1).indices.tolist() and calls == []
     monkeypatch.setattr(sampler, "cpu_ext", SimpleNamespace(load=lambda: None))
     assert sampler.first_max(x) == x.max(dim=-1).indices.tolist()

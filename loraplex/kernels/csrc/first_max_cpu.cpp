@@ -146,8 +146,10 @@ int64_t row_scalar(const float* p, int64_t V) {
 
 at::Tensor first_max(const at::Tensor& logits, const std::string& path) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.device().is_cpu() &&
-                  logits.stride(1) == 1 && logits.size(1) > 0 && logits.size(1) < (int64_t{1} << 31),
-              "first_max: logits must be a 2-D fp32 CPU tensor with contiguous rows of 1 to 2^31 - 1 elements");
+                  logits.stride(1) == 1 && logits.size(1) > 0 && logits.size(1) < (int64_t{1} << 31) &&
+                  !logits.is_neg(),
+              "first_max: logits must be a 2-D fp32 CPU tensor with contiguous rows of 1 to 2^31 - 1 elements "
+              "(not a lazily negated view)");
   int64_t (*row)(const float*, int64_t) = row_scalar;
   if (path == "auto") {
 #if LORAPLEX_FIRST_MAX_X86
