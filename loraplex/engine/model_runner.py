@@ -17,7 +17,7 @@ from loraplex.engine.model import LlamaModel
 from loraplex.engine.request import Request
 from loraplex.engine.sampler import TokenLogprobs, sample_rows
 from loraplex.engine.scheduler import SchedulerOutput
-from loraplex.kernels import build_lora_meta
+from loraplex.kernels import build_lora_meta, huge_pages
 from loraplex.model_config import ModelConfig
 
 
@@ -49,11 +49,13 @@ class ModelRunner:
         self.block_size = block_manager.block_size
         self.device = device
         num_slots = block_manager.num_blocks * block_manager.block_size
-        self.kv_caches = [
-            (torch.zeros(num_slots, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device),
-             torch.zeros(num_slots, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device))
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        shape = (num_slots, cfg.num_key_value_heads, cfg.head_dim)
+
+        def cache() -> torch.Tensor:  # on 2 MB pages on a CPU: a decode step streams every layer's K/V
+            return (huge_pages.zeros(shape, dtype) if device.type == "cpu"
+                    else torch.zeros(shape, dtype=dtype, device=device))
+
+        self.kv_caches = [(cache(), cache()) for _ in range(cfg.num_hidden_layers)]
 
     def _block_tables(self, block_tables: list[list[int]], length: int) -> torch.Tensor:
         """[N, ceil(length / block_size)] int64: the blocks holding positions 0..length-1, padded with 0."""
