@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplex.kernels import cpu_ext, huge_pages
+from loraplex.kernels import cpu_ext
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ def _pack(name: str, weight: torch.Tensor, glu: int = 0) -> torch.Tensor:
     if name == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_LAYOUT_ROWS)
     if name in OURS:
-        return huge_pages.copy(cpu_ext.load().gemm_pack(weight, name, glu))  # streamed every step
+        return cpu_ext.load().gemm_pack(weight, name, glu)
     return cpu_ext.load().packed_gemm_pack(weight)
 
 

@@ -21,7 +21,7 @@ import os
 import torch
 from torch import nn
 
-from loraplex.kernels import cpu_ext, cpu_gemm, huge_pages
+from loraplex.kernels import cpu_ext, cpu_gemm
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def attach(lm_head: nn.Linear, memory_bytes: int | None = None) -> bool:
     except RuntimeError as exc:  # a value beyond bf16's range, a NaN or an Inf: no bound holds
         logger.info("greedy rows compute every logit: %s", exc)
         return False
-    lm_head.greedy_packed = huge_pages.copy(packed)  # streamed by every greedy step
+    lm_head.greedy_packed = packed
     lm_head.greedy_norms = norms_rounded_up(weight)
     return True
 

@@ -1,17 +1,20 @@
-"""CPU tensors on 2 MB pages, for the buffers a step streams through: the packed base weights and the paged
-KV cache.
+"""CPU tensors on 2 MB pages, for the paged KV cache, which a decode step streams through.
 
 Why: a 64-row decode step reads every layer's K/V for every row, about 0.5 GB of fp32 scattered over
-12 KB KV cache blocks, and every packed weight once. On 4 KB pages each block spans three pages: the
-core's stream prefetcher stops at a page's end, and the 0.9 GB of weights and caches need some 230,000
-translations against the L2 TLB's few thousand entries. On 2 MB pages (Linux's transparent huge pages,
-asked for with `madvise(MADV_HUGEPAGE)` before the memory is first touched, as the kernel's
-documentation admin-guide/mm/transhuge describes) the translations drop 512-fold. On a 2-core AMD EPYC
-Zen 4, one thread: a plain read of 30 layers' caches 19.2-20.9 -> 17.1 ms, the decode attention kernel
-over them 29.9-30.7 -> 28.3-28.7 ms (docs/performance.md).
+12 KB KV cache blocks. On 4 KB pages each block spans three pages, the core's stream prefetcher stops
+at each page's end, and the translations far outnumber the L2 TLB's entries. On 2 MB pages (Linux's
+transparent huge pages, asked for with `madvise(MADV_HUGEPAGE)` before the memory is first touched, as
+the kernel's admin-guide/mm/transhuge describes) there are 512 times fewer. On a 2-core AMD EPYC Zen 4,
+one thread: a plain read of 30 layers' caches 19.2-20.9 -> 17.1 ms, the decode attention kernel over
+them 29.9-30.7 -> 28.3-28.7 ms, about 0.5% of a base-only run of the vllm preset. The packed weights
+gained nothing measurable on huge pages (`scripts/gemm-bench --pages`: 108.5 against 107.6 GFLOP/s at
+64 rows, 110.0 against 110.0 at 512), so they stay on ordinary ones.
 
-`LORAPLEX_HUGE_PAGES=0` turns it off; elsewhere than Linux, or where the kernel's transparent huge pages
-are `never`, the tensors are ordinary ones (the same values, only the pages differ).
+The cost is at load: on a VM whose host backs guest memory on first touch, a 1 GiB cache on huge pages
+took 1.5-1.7 s more to allocate (7.95-8.29 against 6.33-6.70 s for the whole engine;
+docs/performance.md). `LORAPLEX_HUGE_PAGES=0` turns it off; elsewhere than Linux, or where the kernel's
+transparent huge pages are `never`, the tensors are ordinary ones (the same values, only the pages
+differ).
 """
 
 from __future__ import annotations

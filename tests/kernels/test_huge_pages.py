@@ -1,6 +1,6 @@
 """CPU tensors on 2 MB pages (`kernels/huge_pages.py`): the same values as ordinary tensors, on huge pages
 where the kernel's transparent huge pages allow it, off with LORAPLEX_HUGE_PAGES=0; and the engine's
-packed weights and KV cache take them."""
+KV cache takes them."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
 
-from loraplex.kernels import cpu_gemm, huge_pages
+from loraplex.kernels import huge_pages
 
 MB = 1 << 20
 
@@ -79,7 +78,7 @@ def test_small_tensors_and_off_switch_take_ordinary_pages(monkeypatch):
 
 
 @needs_thp
-def test_the_kv_cache_and_packed_weights_take_huge_pages():
+def test_the_kv_cache_takes_huge_pages():
     from loraplex.engine.block_manager import BlockManager
     from loraplex.engine.model_runner import ModelRunner
 
@@ -90,10 +89,3 @@ def test_the_kv_cache_and_packed_weights_take_huge_pages():
         assert huge_bytes(k) >= 2 * MB and huge_bytes(v) >= 2 * MB
     assert k.data_ptr() != v.data_ptr()
 
-    if cpu_gemm.resolve("auto", torch.float32) not in cpu_gemm.OURS:
-        return  # no AVX2 build here: the weights stay with oneDNN, which keeps its own buffers
-    lin = nn.Linear(576, 960, bias=False)  # 2.2 MB, the q/k/v projection's shape
-    assert cpu_gemm.pack_linears([(lin, "decoder")], memory_bytes=1 << 40)
-    assert huge_bytes(lin.packed_weight) >= 2 * MB
-    x = torch.randn(64, 576)
-    torch.testing.assert_close(cpu_gemm.linear(lin, x), torch.nn.functional.linear(x, lin.weight))
