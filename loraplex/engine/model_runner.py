@@ -49,13 +49,12 @@ class ModelRunner:
         self.block_size = block_manager.block_size
         self.device = device
         num_slots = block_manager.num_blocks * block_manager.block_size
-        shape = (num_slots, cfg.num_key_value_heads, cfg.head_dim)
-
-        def cache() -> torch.Tensor:  # on 2 MB pages on a CPU: a decode step streams every layer's K/V
-            return (huge_pages.zeros(shape, dtype) if device.type == "cpu"
-                    else torch.zeros(shape, dtype=dtype, device=device))
-
-        self.kv_caches = [(cache(), cache()) for _ in range(cfg.num_hidden_layers)]
+        # one buffer for every layer's K and V: on a CPU on 2 MB pages (a decode step streams every
+        # layer's K/V), which one mapping fills with no partly used page per tensor
+        shape = (cfg.num_hidden_layers, 2, num_slots, cfg.num_key_value_heads, cfg.head_dim)
+        caches = (huge_pages.zeros(shape, dtype) if device.type == "cpu"
+                  else torch.zeros(shape, dtype=dtype, device=device))
+        self.kv_caches = [(caches[i, 0], caches[i, 1]) for i in range(cfg.num_hidden_layers)]
 
     def _block_tables(self, block_tables: list[list[int]], length: int) -> torch.Tensor:
         """[N, ceil(length / block_size)] int64: the blocks holding positions 0..length-1, padded with 0."""

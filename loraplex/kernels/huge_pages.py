@@ -12,9 +12,10 @@ gained nothing measurable on huge pages (`scripts/gemm-bench --pages`: 108.5 aga
 
 The cost is at load: on a VM whose host backs guest memory on first touch, a 1 GiB cache on huge pages
 took 1.5-1.7 s more to allocate (7.95-8.29 against 6.33-6.70 s for the whole engine;
-docs/performance.md). `LORAPLEX_HUGE_PAGES=0` turns it off; elsewhere than Linux, or where the kernel's
-transparent huge pages are `never`, the tensors are ordinary ones (the same values, only the pages
-differ).
+docs/performance.md). `LORAPLEX_HUGE_PAGES=0` turns it off; elsewhere than Linux, where the kernel's
+transparent huge pages are `never` or off for this process, or where its PMD page is not 2 MB, the
+tensors are ordinary ones (the same values, only the pages differ). The engine takes one mapping for all
+layers' K and V (`ModelRunner`), so at most one huge page is partly used.
 """
 
 from __future__ import annotations
@@ -24,22 +25,36 @@ import os
 
 import torch
 
-HUGE_PAGE = 2 << 20  # bytes; x86-64's and arm64's (4 KB granule) PMD page
-SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+HUGE_PAGE = 2 << 20  # bytes: the PMD page of x86-64 and of arm64 with 4 KB pages, the only size taken here
+THP = "/sys/kernel/mm/transparent_hugepage"
+SETTING = f"{THP}/enabled"
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def enabled() -> bool:
-    """Whether tensors go on huge pages: Linux with transparent huge pages `always` or `madvise`, and
-    `LORAPLEX_HUGE_PAGES` not 0."""
+    """Whether tensors go on huge pages: Linux with transparent huge pages `always` or `madvise` for 2 MB
+    pages (the global setting, and the 2 MB size's own where the kernel has one, 6.8 and later), not
+    disabled for this process (`PR_SET_THP_DISABLE`, which some container runtimes set: `THP_enabled: 0`
+    in /proc/self/status), and `LORAPLEX_HUGE_PAGES` not 0."""
     if os.environ.get("LORAPLEX_HUGE_PAGES", "1").strip().lower() in ("0", "false", "off", "no"):
         return False
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
-    try:
-        with open(SETTING) as f:
-            return "[never]" not in f.read()
-    except OSError:
+    setting, size = _read(SETTING), _read(f"{THP}/hpage_pmd_size")
+    if setting is None or "[never]" in setting or size is None or size.strip() != str(HUGE_PAGE):
         return False
+    own = _read(f"{THP}/hugepages-{HUGE_PAGE >> 10}kB/enabled")  # always, inherit, madvise or never
+    if own is not None and "[never]" in own:
+        return False
+    status = _read("/proc/self/status") or ""
+    return "THP_enabled:\t0" not in status.replace(" ", "\t")
 
 
 def zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
