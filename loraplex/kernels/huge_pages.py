@@ -11,7 +11,7 @@ gained nothing measurable on huge pages (`scripts/gemm-bench --pages`: 108.5 aga
 64 rows, 110.0 against 110.0 at 512), so they stay on ordinary ones.
 
 The cost is at load: on a VM whose host backs guest memory on first touch, a 1 GiB cache on huge pages
-took 1.5-1.7 s more to allocate (7.95-8.29 against 6.33-6.70 s for the whole engine;
+took 1.5-2.1 s more to allocate (the whole engine in 7.07-8.29 against 5.26-6.70 s, six pairs;
 docs/performance.md). `LORAPLEX_HUGE_PAGES=0` turns it off; elsewhere than Linux, where the kernel's
 transparent huge pages are `never` or off for this process, or where its PMD page is not 2 MB, the
 tensors are ordinary ones (the same values, only the pages differ). The engine takes one mapping for all
