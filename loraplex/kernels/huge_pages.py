@@ -20,6 +20,7 @@ layers' K and V (`ModelRunner`), so at most one huge page is partly used.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 
@@ -62,12 +63,25 @@ def zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tenso
     memory an anonymous mapping aligned to 2 MB and advised before the first touch, so that the page
     faults that fill it take huge pages), else `torch.zeros`. Tensors under one huge page take
     `torch.zeros` too. The mapping lives as long as the tensor (and its views)."""
-    numel = 1
-    for s in shape:
-        numel *= int(s)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if nbytes < HUGE_PAGE or not enabled():
-        return torch.zeros(tuple(shape), dtype=dtype)
+    shape = tuple(int(s) for s in shape)
+    if math.prod(shape) * torch.empty((), dtype=dtype).element_size() < HUGE_PAGE or not enabled():
+        return torch.zeros(shape, dtype=dtype)
+    return _mapped(shape, dtype)
+
+
+def copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of CPU `tensor` on huge pages (`zeros`, then the values), or `tensor` itself
+    where it would stay on ordinary pages (under one huge page, or not `enabled()`)."""
+    if tensor.device.type != "cpu" or tensor.numel() * tensor.element_size() < HUGE_PAGE or not enabled():
+        return tensor
+    out = _mapped(tuple(tensor.shape), tensor.dtype)
+    out.copy_(tensor)
+    return out
+
+
+def _mapped(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """`zeros` on huge pages, once the caller has checked the size and `enabled()`."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
     region = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive while any view lives
@@ -76,16 +90,6 @@ def zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tenso
         region.madvise(mmap.MADV_HUGEPAGE, start, span)
     except OSError:  # a kernel without THP for anonymous memory: ordinary pages, the same tensor
         pass
-    out = raw[start:start + nbytes].view(dtype).view(tuple(shape))
+    out = raw[start:start + nbytes].view(dtype).view(shape)
     out.zero_()  # the first touch: each fault takes a huge page (the mapping was zero already)
-    return out
-
-
-def copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of CPU `tensor` on huge pages (`zeros`, then the values), or `tensor` itself
-    where it would stay on ordinary pages (under one huge page, or not `enabled()`)."""
-    if tensor.device.type != "cpu" or tensor.numel() * tensor.element_size() < HUGE_PAGE or not enabled():
-        return tensor
-    out = zeros(tensor.shape, tensor.dtype)
-    out.copy_(tensor)
     return out
