@@ -32,3 +32,15 @@ def test_a_batch_that_shrank_before_the_timed_steps_is_refused(llm, monkeypatch)
     with pytest.raises(RuntimeError, match=r"the timed steps decoded \d+ rows, not 3 x 8"):
         step_profile.steady_decode(llm, 8, 16, None, 3)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_every_projection_gemm_is_timed(llm):
+    # q/k/v, o, gate/up and down of every layer in every timed step: with our packed GEMM the gate/up one
+    # runs with SiLU x up in its epilogue (silu_mul_linear), around base_linear, and was once left out of
+    # "projections" (half a layer's GEMM FLOPs counted as norms and activations)
+    steps = 3
+    timers, _ = step_profile.steady_decode(llm, 8, 16, None, steps)
+    model = llm.engine.model
+    fused = bool(getattr(model.layers[0].mlp.gate_up_proj, "packed_glu", 0))  # else: a None call, then base_linear
+    assert timers.calls["projections"] == (4 if fused else 5) * len(model.layers) * steps
+    assert timers.calls["attention"] == len(model.layers) * steps
