@@ -66,14 +66,16 @@ LORAPLEX_INLINE void prefetch_lines(const float* next, int64_t j, int64_t step) 
 }
 
 // Ask for the output line at p into L1. A tile stores its R output rows once, after the whole of K; asked
-// for in its first k steps (a line a step), they arrive long before the stores, which at prefill sizes
-// otherwise found them in neither L1 nor L2 (a tile writes R partial rows N floats apart) and held up the
-// tile's end. On a Zen 4 EPYC: a scratch copy of this loop over the 30 layers' cold weights, one output
-// buffer for all of them, 109.7 -> 113.0 GFLOP/s at 512 rows and 111.8 -> 113.4 at 64; scripts/gemm-bench,
-// whose outputs come back warm from the allocator, +0.5%; the vllm preset's base-only run through the
-// engine 0.6% faster (four pairs in turns; docs/performance.md). A read prefetch (these targets have no
-// PREFETCHW): a line no other core holds arrives exclusive, so the store needs nothing more. Never
-// faults, like any prefetch.
+// for in its first k steps (a line a step, within the row's `cols` columns), they arrive long before the
+// stores, which at prefill sizes otherwise found them in neither L1 nor L2 (a tile writes R partial rows
+// ldc floats apart) and held up the tile's end. (An up tile of the SiLU x up epilogue asks for its
+// scratch rows, which are in cache, as is the output its gate tile has just written.) On a Zen 4 EPYC: a
+// scratch copy of this loop over the 30 layers' cold weights, one output buffer for all of them, 109.7 ->
+// 113.0 GFLOP/s at 512 rows and 111.8 -> 113.4 at 64; scripts/gemm-bench, whose outputs come back warm
+// from the allocator, +0.5%; the vllm preset's base-only run through the engine about 0.6% faster (faster
+// in each of four pairs in turns, which is all the evidence there is at that size; docs/performance.md).
+// A read prefetch: these functions' targets do not enable PREFETCHW, and a line no other core holds
+// arrives exclusive anyway, so the store needs nothing more. Never faults, like any prefetch.
 LORAPLEX_INLINE void prefetch_out(const float* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 }
@@ -94,7 +96,7 @@ LORAPLEX_AVX2_FMA LORAPLEX_INLINE void tile_avx2(int64_t k, const float* a, int6
   }
   for (int64_t j = 0; j < k; ++j, b += 16) {
     prefetch_lines<Lines>(next, j, step);
-    if (j < 2 * R) prefetch_out(c + (j >> 1) * ldc + (j & 1) * 15);  // the row's 16 floats: their 1 or 2 lines
+    if (j < 2 * R) prefetch_out(c + (j >> 1) * ldc + std::min<int64_t>((j & 1) * 15, cols - 1));  // 1-2 lines
     const __m256 w0 = _mm256_load_ps(b), w1 = _mm256_load_ps(b + 8);
 #pragma GCC unroll 6
     for (int i = 0; i < R; ++i) {
@@ -136,7 +138,7 @@ LORAPLEX_AVX512 LORAPLEX_INLINE void tile_avx512(int64_t k, const float* a, int6
   for (int64_t j = 0; j < k; ++j, b += 48) {
     prefetch_lines<Lines>(next, j, step);
     // 3 lines a row (where c is off a line's start, the row's 4th line is not asked for)
-    if (j < 3 * R) prefetch_out(c + (j / 3) * ldc + (j % 3) * 16);
+    if (j < 3 * R) prefetch_out(c + (j / 3) * ldc + std::min<int64_t>((j % 3) * 16, cols - 1));
     __m512 w[3];
 #pragma GCC unroll 3
     for (int v = 0; v < 3; ++v) w[v] = _mm512_load_ps(b + 16 * v);
