@@ -45,7 +45,8 @@ ROWS = ("base GEMMs", "LoRA", "attention", "lm_head", "norms, RoPE, SiLU, residu
 
 class Timers:
     """Accumulated wall seconds and calls per name while `patched()` is active (the decoder layers then run
-    their pieces through Python, not as one `decoder_layer` call, so that each piece is timed)."""
+    their pieces through Python, not as one `decoder_layer` call, so that each piece is timed). `seconds`
+    is per step after `steady_decode`; `calls` is always the total over the timed steps."""
 
     def __init__(self):
         self.seconds: dict[str, float] = defaultdict(float)
@@ -71,8 +72,10 @@ class Timers:
 
     @contextlib.contextmanager
     def patched(self, engine):
+        from loraplex.engine import attention as attention_mod
         from loraplex.engine import model as model_mod
         from loraplex.engine import model_runner as runner_mod
+        from loraplex.kernels import cpu_gemm as cpu_gemm_mod
 
         lm_head = engine.model.lm_head
         linear_forward = nn.Linear.forward
@@ -86,15 +89,18 @@ class Timers:
         def base(mod, x):
             return base_linear(mod, x) if mod is lm_head else timed_base(mod, x)
 
-        # silu_mul_linear: the gate/up GEMM with SiLU x up in its epilogue (our packed GEMM), which goes
-        # around base_linear; untimed, it was counted in the forward's rest until 2026-12-07
+        # Calls that go around base_linear and paged_attention, which were counted in the forward's rest
+        # until 2026-12-07: silu_mul_linear (the gate/up GEMM with SiLU x up in its epilogue, our packed
+        # GEMM) and, in the last layer of a step that samples some rows only, linear_columns (q/k/v's
+        # columns) and paged_attention_rows
         saved = [(model_mod, "paged_attention"), (model_mod, "lora_linear"), (model_mod, "base_linear"),
-                 (model_mod, "silu_mul_linear"), (runner_mod, "sample_rows"),
+                 (model_mod, "silu_mul_linear"), (cpu_gemm_mod, "linear_columns"),
+                 (attention_mod, "paged_attention_rows"), (runner_mod, "sample_rows"),
                  (engine.runner, "prepare"), (engine.model, "compute_logits"), (engine.model, "greedy_tokens"),
                  (engine.scheduler, "schedule"), (engine.scheduler, "update_from_output")]
         originals = [getattr(obj, name) for obj, name in saved]
-        names = ["attention", "projections", None, "projections", "sampling", "metadata", "lm_head", "lm_head",
-                 "scheduling", "scheduling"]
+        names = ["attention", "projections", None, "projections", "projections", "attention", "sampling",
+                 "metadata", "lm_head", "lm_head", "scheduling", "scheduling"]
         fused_layer = model_mod.FUSED_LAYER
         try:
             model_mod.FUSED_LAYER = False  # each piece through its Python call, where the wrappers time it

@@ -34,13 +34,35 @@ def test_a_batch_that_shrank_before_the_timed_steps_is_refused(llm, monkeypatch)
     assert not llm.engine.has_unfinished_requests()
 
 
+def fused_mlp(model) -> bool:
+    """Whether the gate/up GEMM runs with SiLU x up in its epilogue (our packed GEMM: AVX2 + FMA)."""
+    from loraplex.engine import model as model_mod
+
+    gate_up = model.layers[0].mlp.gate_up_proj
+    return bool(model_mod.FUSED_ELEMENTWISE and getattr(gate_up, "packed_glu", 0)
+                and getattr(gate_up, "packed_rows", None) is not None)
+
+
 def test_every_projection_gemm_is_timed(llm):
     # q/k/v, o, gate/up and down of every layer in every timed step: with our packed GEMM the gate/up one
     # runs with SiLU x up in its epilogue (silu_mul_linear), around base_linear, and was once left out of
     # "projections" (half a layer's GEMM FLOPs counted as norms and activations)
+    model = llm.engine.model
+    if not fused_mlp(model):
+        pytest.skip("needs our packed GEMM (a CPU with AVX2 + FMA), whose calls these counts name")
     steps = 3
     timers, _ = step_profile.steady_decode(llm, 8, 16, None, steps)
-    model = llm.engine.model
-    fused = bool(getattr(model.layers[0].mlp.gate_up_proj, "packed_glu", 0))  # else: a None call, then base_linear
-    assert timers.calls["projections"] == (4 if fused else 5) * len(model.layers) * steps
+    assert timers.calls["projections"] == 4 * len(model.layers) * steps
     assert timers.calls["attention"] == len(model.layers) * steps
+
+
+def test_the_last_layer_of_a_prefill_is_timed(llm):
+    # a prompt step samples one row, so its last layer takes q/k/v's columns (k and v for every row, q for
+    # the sampled one) and attends that row alone: two linear_columns calls and paged_attention_rows, once
+    # counted in the forward's rest
+    model = llm.engine.model
+    if not fused_mlp(model):
+        pytest.skip("needs our packed GEMM (a CPU with AVX2 + FMA), whose calls these counts name")
+    timers, _ = step_profile.one_prefill(llm, 16, None)
+    assert timers.calls["projections"] == 4 * len(model.layers) + 1
+    assert timers.calls["attention"] == len(model.layers)
