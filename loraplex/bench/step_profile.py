@@ -92,27 +92,28 @@ class Timers:
         # Calls that go around base_linear and paged_attention, which were counted in the forward's rest
         # until 2026-12-07: silu_mul_linear (the gate/up GEMM with SiLU x up in its epilogue, our packed
         # GEMM) and, in the last layer of a step that samples some rows only, linear_columns (q/k/v's
-        # columns) and paged_attention_rows
-        saved = [(model_mod, "paged_attention"), (model_mod, "lora_linear"), (model_mod, "base_linear"),
-                 (model_mod, "silu_mul_linear"), (cpu_gemm_mod, "linear_columns"),
-                 (attention_mod, "paged_attention_rows"), (runner_mod, "sample_rows"),
-                 (engine.runner, "prepare"), (engine.model, "compute_logits"), (engine.model, "greedy_tokens"),
-                 (engine.scheduler, "schedule"), (engine.scheduler, "update_from_output")]
-        originals = [getattr(obj, name) for obj, name in saved]
-        names = ["attention", "projections", None, "projections", "projections", "attention", "sampling",
-                 "metadata", "lm_head", "lm_head", "scheduling", "scheduling"]
+        # columns) and paged_attention_rows. Each entry: (object, attribute, timer name; None: the base
+        # GEMM's own wrapper above, which leaves the lm_head out).
+        patches = [(model_mod, "paged_attention", "attention"), (model_mod, "lora_linear", "projections"),
+                   (model_mod, "base_linear", None), (model_mod, "silu_mul_linear", "projections"),
+                   (cpu_gemm_mod, "linear_columns", "projections"),
+                   (attention_mod, "paged_attention_rows", "attention"), (runner_mod, "sample_rows", "sampling"),
+                   (engine.runner, "prepare", "metadata"), (engine.model, "compute_logits", "lm_head"),
+                   (engine.model, "greedy_tokens", "lm_head"), (engine.scheduler, "schedule", "scheduling"),
+                   (engine.scheduler, "update_from_output", "scheduling")]
+        originals = [getattr(obj, attr) for obj, attr, _ in patches]
         fused_layer = model_mod.FUSED_LAYER
         try:
             model_mod.FUSED_LAYER = False  # each piece through its Python call, where the wrappers time it
             nn.Linear.forward = linear
-            for (obj, attr), fn, name in zip(saved, originals, names, strict=True):
+            for (obj, attr, name), fn in zip(patches, originals, strict=True):
                 setattr(obj, attr, base if name is None else self.wrap(name, fn))
             engine.model.forward = self.wrap("forward", engine.model.forward)
             yield self
         finally:
             model_mod.FUSED_LAYER = fused_layer
             nn.Linear.forward = linear_forward
-            for (obj, attr), fn in zip(saved, originals, strict=True):
+            for (obj, attr, _), fn in zip(patches, originals, strict=True):
                 if isinstance(obj, type(model_mod)):
                     setattr(obj, attr, fn)
                 else:

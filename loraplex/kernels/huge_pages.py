@@ -64,24 +64,26 @@ def zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tenso
     faults that fill it take huge pages), else `torch.zeros`. Tensors under one huge page take
     `torch.zeros` too. The mapping lives as long as the tensor (and its views)."""
     shape = tuple(int(s) for s in shape)
-    if math.prod(shape) * torch.empty((), dtype=dtype).element_size() < HUGE_PAGE or not enabled():
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < HUGE_PAGE or not enabled():
         return torch.zeros(shape, dtype=dtype)
-    return _mapped(shape, dtype)
+    return _mapped(shape, dtype, nbytes)
 
 
 def copy(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of CPU `tensor` on huge pages (`zeros`, then the values), or `tensor` itself
     where it would stay on ordinary pages (under one huge page, or not `enabled()`)."""
-    if tensor.device.type != "cpu" or tensor.numel() * tensor.element_size() < HUGE_PAGE or not enabled():
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.device.type != "cpu" or nbytes < HUGE_PAGE or not enabled():
         return tensor
-    out = _mapped(tuple(tensor.shape), tensor.dtype)
+    out = _mapped(tuple(tensor.shape), tensor.dtype, nbytes)
     out.copy_(tensor)
     return out
 
 
-def _mapped(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """`zeros` on huge pages, once the caller has checked the size and `enabled()`."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+def _mapped(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+    """`zeros` on huge pages (`nbytes`: the tensor's size in bytes), once the caller has checked the size
+    and `enabled()`."""
     span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
     region = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive while any view lives
