@@ -70,6 +70,9 @@ class Preset:
     # equally often), for the base-only ratio: the side-by-side runs are minutes apart (vLLM's LoRA run
     # between them) and land anywhere in a drifting VM's band, the median of back-to-back pairs less so
     peer_pairs: int = 0
+    # In-process runs queue each request under its tenant (`systems.run_engine`), so the engine's fair
+    # share sees what the HTTP server's sees; False: first come, first served, as vLLM schedules
+    tenants: bool = True
 
 
 def _small() -> Preset:
@@ -117,11 +120,13 @@ def _adapter_paging(targets: tuple[str, ...] = TARGETS) -> Preset:
 def _vllm() -> Preset:
     # Side by side with vLLM (its CPU build on a CPU): 64 requests at once, prompts 32-256 tokens, 64
     # greedy output tokens each, over 16 distinct rank-8 adapters on q/k/v/o, fp32; both engines also on
-    # the base model alone (vLLM with LoRA off: its fastest, compiled base-only engine).
+    # the base model alone (vLLM with LoRA off: its fastest, compiled base-only engine). vLLM has no tenants,
+    # so ours serves these first come, first served too.
     main = WorkloadSpec(num_adapters=16, alpha=0.0, rate=float("inf"), num_requests=64, prompt_len=(32, 257),
                         output_len=(64, 65), num_tenants=16)
     return Preset(dtype="float32", main=main, systems=("engine", "base", "vllm", "vllm-base"), rates=(),
-                  num_adapters=(), alphas=(), max_loras=16, max_cpu_loras=16, max_num_seqs=64, peer_pairs=4)
+                  num_adapters=(), alphas=(), max_loras=16, max_cpu_loras=16, max_num_seqs=64, peer_pairs=4,
+                  tenants=False)
 
 
 PRESETS = {"small": _small, "full": _full, "gpu-s1": _gpu_s1, "engine-throughput": _engine_throughput,
@@ -211,7 +216,7 @@ class Bench:
         if system in ("engine", "static", "base"):
             work = workload.without_adapters() if system == "base" else workload
             systems.warm_up_engine(self.llm, work)
-            records, stats = systems.run_engine(self.llm, work, static=system == "static")
+            records, stats = systems.run_engine(self.llm, work, static=system == "static", tenants=self.preset.tenants)
         elif system == "peft":
             records, stats = systems.run_peft(self._peft_model(workload), workload,
                                               batch_size=self.preset.peft_batch_size)

@@ -7,7 +7,9 @@
                 requests that have arrived (at most `batch_size`), each run to its longest row
 
 Every system sees a request only once its arrival time has passed, decodes greedily and never stops on
-EOS (each row makes exactly `output_len` tokens), so all of them do the same work. Times are
+EOS (each row makes exactly `output_len` tokens), so all of them do the same work. Our engine also gets
+each request's tenant, as `loraplex serve` gives it the caller's (`run_engine`'s `tenants`), so that it
+schedules the same way in-process and behind the gateway. Times are
 `time.perf_counter()` seconds from the start of the replay; TTFT includes the queueing.
 """
 
@@ -26,11 +28,18 @@ from loraplex.engine.sampling_params import SamplingParams
 BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names
 
 
-def run_engine(llm, workload: Workload, *, static: bool = False) -> tuple[list[RequestRecord], RunStats]:
-    """Replay `workload` through `llm.engine` (a `loraplex.LLM` whose adapters are loaded)."""
+def run_engine(llm, workload: Workload, *, static: bool = False,
+               tenants: bool = True) -> tuple[list[RequestRecord], RunStats]:
+    """Replay `workload` through `llm.engine` (a `loraplex.LLM` whose adapters are loaded).
+
+    tenants: queue each request under its tenant, numbered 1, 2, ... in name order, as the bench's HTTP
+    server numbers the tenants it creates (`http_client.make_tenants`), so that the fair-share policy
+    sees the same tenants in-process as behind the gateway; False: all under no tenant (one tenant:
+    first come, first served within a priority), as an engine without tenants (vLLM) schedules."""
     engine = llm.engine
     was_static, engine.config.static_batching = engine.config.static_batching, static
     pending = deque(sorted(range(len(workload.requests)), key=lambda i: workload.requests[i].arrival_s))
+    tenant_ids = {name: i + 1 for i, name in enumerate(sorted({r.tenant for r in workload.requests}))}
     records = [RequestRecord(r.arrival_s, None, None, r.prompt_len, 0, r.adapter) for r in workload.requests]
     index_of: dict[str, int] = {}
     stats = RunStats(num_preemptions=engine.scheduler.num_preemptions)
@@ -44,7 +53,9 @@ def run_engine(llm, workload: Workload, *, static: bool = False) -> tuple[list[R
                 r = workload.requests[i]
                 params = SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True)
                 try:
-                    index_of[engine.add_request(r.prompt_token_ids, params, r.adapter).request_id] = i
+                    req = engine.add_request(r.prompt_token_ids, params, r.adapter,
+                                             tenant_id=tenant_ids[r.tenant] if tenants else None)
+                    index_of[req.request_id] = i
                 except ValueError as exc:  # refused (too long for the KV cache, unknown adapter): its own failure
                     records[i].error = str(exc)
             if not engine.has_unfinished_requests():

@@ -164,6 +164,27 @@ def test_a_refused_request_is_that_requests_failure_not_the_runs(tmp_path):
     assert nothing.requests_per_s == 0 and nothing.output_tokens_per_s == 0 and nothing.ttft[50] is None
 
 
+@pytest.mark.parametrize("tenants, expected", [
+    # tenants numbered in name order, as the bench's HTTP server creates them; each counter is VTC's service
+    # (1 per prompt token, 2 per output token, weight 1)
+    (True, {1: (6 + 3) + 2 * (2 + 3), 2: 10 + 2 * 4}),
+    (False, {None: (6 + 3 + 10) + 2 * (2 + 3 + 4)}),
+])
+def test_in_process_runs_queue_each_request_under_its_tenant(tenants, expected):
+    from loraplex import LLM
+    from loraplex.bench.systems import run_engine
+    from loraplex.bench.workload import BenchRequest, Workload
+
+    llm = LLM("tiny-llama", load_format="dummy", dtype="float32")
+    work = Workload(None, [BenchRequest(0.0, "b", None, [5] * 10, 4), BenchRequest(0.0, "a", None, [6] * 6, 2),
+                           BenchRequest(0.0, "a", None, [7] * 3, 3)])
+    records, _ = run_engine(llm, work, tenants=tenants)
+    assert [r.num_output_tokens for r in records] == [4, 2, 3] and all(r.ok for r in records)
+    shares = llm.engine.scheduler.fair.tenant_stats()
+    assert {k: v["counter"] for k, v in shares.items()} == expected
+    assert all(v["num_requests"] == 0 for v in shares.values())
+
+
 @pytest.mark.parametrize("args, message", [
     (["--systems", "engine,sglang"], "unknown systems ['sglang']"),
     (["--trace", "/nonexistent/trace.jsonl"], "No such file"),
