@@ -230,7 +230,8 @@ def write(out: Path, bench, *, command: str, elapsed_s: float) -> None:
              f"2 x {bench.flops_per_output_token / 2e6:.0f}M lm_head params x output tokens) / s / the "
              f"{str(bench.dtype).removeprefix('torch.')} peak, over the whole run",
              f"- model `{p.model}` ({p.load_format} weights, {bench.dtype}); max_loras {p.max_loras}, "
-             f"max_cpu_loras {p.max_cpu_loras}, max_num_seqs {p.max_num_seqs}; PEFT batches of {p.peft_batch_size}",
+             f"max_cpu_loras {p.max_cpu_loras}, max_num_seqs {p.max_num_seqs}, max_num_batched_tokens "
+             f"{bench.llm.engine.config.max_num_batched_tokens} (every engine's); PEFT batches of {p.peft_batch_size}",
              f"- SLO for goodput: {p.slo}", f"- command: `{command}`", ""]
     if spec is not None:
         arrivals = (f"{spec.num_requests} requests all at time 0" if spec.rate == float("inf") else

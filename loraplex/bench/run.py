@@ -58,6 +58,7 @@ class Preset:
     max_loras: int = 8
     max_cpu_loras: int = 64
     max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None  # the prefill chunk budget of every engine; None: ours (512)
     peft_batch_size: int = 16
     num_files: int = 64
     slo: SLO = field(default_factory=SLO)
@@ -121,12 +122,14 @@ def _vllm() -> Preset:
     # Side by side with vLLM (its CPU build on a CPU): 64 requests at once, prompts 32-256 tokens, 64
     # greedy output tokens each, over 16 distinct rank-8 adapters on q/k/v/o, fp32; both engines also on
     # the base model alone (vLLM with LoRA off: its fastest, compiled base-only engine). vLLM has no tenants,
-    # so ours serves these first come, first served too.
+    # so ours serves these first come, first served too. Both engines take 4096-token steps, vLLM-CPU's
+    # default for its offline LLM (4096 x world size): at our own default of 512 vLLM's base-only engine
+    # ran about 1.3% slower here, ours the same within 1% (docs/performance.md, 2026-12-07).
     main = WorkloadSpec(num_adapters=16, alpha=0.0, rate=float("inf"), num_requests=64, prompt_len=(32, 257),
                         output_len=(64, 65), num_tenants=16)
     return Preset(dtype="float32", main=main, systems=("engine", "base", "vllm", "vllm-base"), rates=(),
                   num_adapters=(), alphas=(), max_loras=16, max_cpu_loras=16, max_num_seqs=64, peer_pairs=4,
-                  tenants=False)
+                  tenants=False, max_num_batched_tokens=4096)
 
 
 PRESETS = {"small": _small, "full": _full, "gpu-s1": _gpu_s1, "engine-throughput": _engine_throughput,
@@ -157,7 +160,9 @@ class Bench:
         self.skipped: list[str] = []  # systems not run, each with why
         self.llm = LLM(preset.model, load_format=preset.load_format, dtype=preset.dtype, max_loras=preset.max_loras,
                        max_cpu_loras=preset.max_cpu_loras, max_lora_rank=64, max_num_seqs=preset.max_num_seqs,
-                       num_threads=threads, enable_prefix_caching=False)  # raw prefill, as the peers run
+                       num_threads=threads, enable_prefix_caching=False,  # raw prefill, as the peers run
+                       **({} if preset.max_num_batched_tokens is None else
+                          {"max_num_batched_tokens": preset.max_num_batched_tokens}))
         model = self.llm.engine.model
         # Prompts are random token ids below the model's vocabulary (a dummy model has no tokenizer).
         preset.main = replace(preset.main, vocab_size=self.llm.engine.model_config.vocab_size)
@@ -241,6 +246,7 @@ class Bench:
 
             env = {"LORAPLEX_MAX_LORAS": str(self.preset.max_loras), "LORAPLEX_MAX_LORA_RANK": "64",
                    "LORAPLEX_MAX_NUM_SEQS": str(self.preset.max_num_seqs), "LORAPLEX_DTYPE": self.preset.dtype,
+                   "LORAPLEX_MAX_NUM_BATCHED_TOKENS": str(self.llm.engine.config.max_num_batched_tokens),
                    "LORAPLEX_MAX_CPU_LORAS": str(self.preset.max_cpu_loras),  # the in-process engine's bound
                    "LORAPLEX_MODEL": self.preset.model, "LORAPLEX_NUM_THREADS": str(self.threads),
                    "LORAPLEX_ENABLE_PREFIX_CACHING": "false",

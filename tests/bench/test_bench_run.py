@@ -13,7 +13,7 @@ import pytest
 
 from loraplex.bench import report
 from loraplex.bench.metrics import SLO, RunStats, summarize
-from loraplex.bench.run import Bench, Preset
+from loraplex.bench.run import PRESETS, Bench, Preset
 from loraplex.bench.workload import WorkloadSpec, read_trace
 
 pytestmark = pytest.mark.slow
@@ -162,6 +162,22 @@ def test_a_refused_request_is_that_requests_failure_not_the_runs(tmp_path):
     assert (s.num_ok, s.num_requests) == (1, 3)
     nothing = summarize("engine", records[1:], RunStats(), SLO())
     assert nothing.requests_per_s == 0 and nothing.output_tokens_per_s == 0 and nothing.ttft[50] is None
+
+
+def test_a_presets_prefill_budget_reaches_the_engine(tmp_path):
+    # the vllm preset gives both engines vLLM-CPU's default budget for its offline LLM (4096 tokens a step)
+    assert PRESETS["vllm"]().max_num_batched_tokens == 4096 and PRESETS["small"]().max_num_batched_tokens is None
+    preset = Preset(model="tiny-llama", load_format="dummy", dtype="float32", systems=("engine",), rates=(),
+                    num_adapters=(), alphas=(), max_num_seqs=4, max_num_batched_tokens=16)
+    b = Bench(preset, tmp_path / "adapters")
+    assert b.llm.engine.config.max_num_batched_tokens == 16
+    from loraplex.bench.systems import run_engine
+    from loraplex.bench.workload import BenchRequest, Workload
+
+    steps = b.llm.engine.num_steps
+    records, _ = run_engine(b.llm, Workload(None, [BenchRequest(0.0, "t", None, [5] * 40, 2)]))
+    # 40 prompt tokens in chunks of at most 16: the first token in the third step, the second in the fourth
+    assert records[0].ok and records[0].num_output_tokens == 2 and b.llm.engine.num_steps - steps == 4
 
 
 @pytest.mark.parametrize("tenants, expected", [
