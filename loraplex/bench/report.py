@@ -241,11 +241,14 @@ def write(out: Path, bench, *, command: str, elapsed_s: float) -> None:
                   f"{'/'.join(m.removesuffix('_proj') for m in p.targets)}) over {spec.num_tenants} tenants, Zipf "
                   f"alpha {spec.alpha:g}, {arrivals}, prompts U[{spec.prompt_len[0]}, {spec.prompt_len[1]}) and "
                   f"outputs U[{spec.output_len[0]}, {spec.output_len[1]}) tokens, seed {spec.seed}. Every system gets "
-                  "the same requests at the same times, decodes greedily and ignores EOS. "
-                  + ("Our engine queues each request under its tenant, in-process as behind the gateway (fair "
-                     "share across tenants)." if p.tenants else
-                     "Our engine queues every request under one tenant (first come, first served), as vLLM does."),
-                  ""]
+                  "the same requests at the same times, decodes greedily and ignores EOS.", ""]
+    if p.in_process_tenants:
+        scheduling = ("In-process, our engine queues each request under its tenant, as the HTTP server does (fair "
+                      "share across tenants).")
+    else:
+        scheduling = ("In-process, our engine queues every request under one tenant (first come, first served)"
+                      + (", as vLLM does." if any(s.startswith("vllm") for s in p.systems) else "."))
+    lines += [scheduling, ""]
     lines += ["## Side by side", ""]
     lines += summary_table([(NAMES[k], v) for k, v in main.items()])
     lines += ["", *ratio_table(main), "",

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from loraplex.bench import report
-from loraplex.bench.metrics import SLO, RunStats, summarize
+from loraplex.bench.metrics import SLO, RequestRecord, RunStats, summarize
 from loraplex.bench.run import PRESETS, Bench, Preset
-from loraplex.bench.workload import WorkloadSpec, read_trace
+from loraplex.bench.workload import BenchRequest, Workload, WorkloadSpec, read_trace
 
 pytestmark = pytest.mark.slow
 
@@ -73,6 +73,9 @@ def test_report_has_the_tables_ratios_and_plots(bench, tmp_path):
     n = len(bench.results[0].records)
     assert f"token for token: {n} of {n} requests" in text
     assert "command: `loraplex bench --preset tiny`" in text
+    assert "max_num_seqs 64, max_num_batched_tokens 512 (every engine's)" in text
+    # no HTTP system in this preset: one tenant in-process, as PEFT's batches have none
+    assert "In-process, our engine queues every request under one tenant (first come, first served)." in text
     assert re.search(r"float32 \d+ GFLOP/s, bfloat16 \d+ GFLOP/s; MFU = .* the float32 peak", text)
     for png in ("throughput_vs_rate", "ttft_p99_vs_rate", "throughput_vs_adapters"):
         data = (tmp_path / "tiny" / f"{png}.png").read_bytes()
@@ -164,15 +167,27 @@ def test_a_refused_request_is_that_requests_failure_not_the_runs(tmp_path):
     assert nothing.requests_per_s == 0 and nothing.output_tokens_per_s == 0 and nothing.ttft[50] is None
 
 
-def test_a_presets_prefill_budget_reaches_the_engine(tmp_path):
+def test_a_presets_prefill_budget_and_tenants_reach_every_engine(tmp_path, monkeypatch):
     # the vllm preset gives both engines vLLM-CPU's default budget for its offline LLM (4096 tokens a step)
     assert PRESETS["vllm"]().max_num_batched_tokens == 4096 and PRESETS["small"]().max_num_batched_tokens is None
-    preset = Preset(model="tiny-llama", load_format="dummy", dtype="float32", systems=("engine",), rates=(),
+    # in-process tenants where the preset runs the HTTP server (whose engine sees the callers' tenants)
+    assert [PRESETS[p]().in_process_tenants for p in ("small", "vllm", "engine-throughput")] == [True, False, False]
+    preset = Preset(model="tiny-llama", load_format="dummy", dtype="float32", systems=("engine", "http"), rates=(),
                     num_adapters=(), alphas=(), max_num_seqs=4, max_num_batched_tokens=16)
     b = Bench(preset, tmp_path / "adapters")
     assert b.llm.engine.config.max_num_batched_tokens == 16
+    import loraplex.bench.http_client as http_client
+
+    seen = {}
+
+    def fake_run_http(workload, dirs, *, engine_env, log_path):  # the server's settings, not a server
+        seen.update(engine_env)
+        return [RequestRecord(r.arrival_s, None, None, r.prompt_len, 0, error="not run") for r in workload.requests], RunStats()
+
+    monkeypatch.setattr(http_client, "run_http", fake_run_http)
+    b.measure("main", None, "http", Workload(None, [BenchRequest(0.0, "t", None, [5] * 4, 2)]))
+    assert seen["LORAPLEX_MAX_NUM_BATCHED_TOKENS"] == "16" and seen["LORAPLEX_MAX_NUM_SEQS"] == "4"
     from loraplex.bench.systems import run_engine
-    from loraplex.bench.workload import BenchRequest, Workload
 
     steps = b.llm.engine.num_steps
     records, _ = run_engine(b.llm, Workload(None, [BenchRequest(0.0, "t", None, [5] * 40, 2)]))
