@@ -71,14 +71,13 @@ class Preset:
     # equally often), for the base-only ratio: the side-by-side runs are minutes apart (vLLM's LoRA run
     # between them) and land anywhere in a drifting VM's band, the median of back-to-back pairs less so
     peer_pairs: int = 0
-    # In-process runs queue each request under its tenant (`systems.run_engine`), so that the engine's fair
-    # share sees what the HTTP server's sees; False: all under one tenant (first come, first served), as
-    # vLLM and PEFT schedule; None: True where the preset runs the HTTP system, else False
-    tenants: bool | None = None
 
     @property
     def in_process_tenants(self) -> bool:
-        return "http" in self.systems if self.tenants is None else self.tenants
+        """Whether in-process runs queue each request under its tenant (`systems.run_engine`): where the
+        preset runs the HTTP system, so that the engine's fair share sees what the server's sees; else all
+        under one tenant (first come, first served), as the peers it is compared with (PEFT, vLLM) schedule."""
+        return "http" in self.systems
 
 
 def _small() -> Preset:
@@ -127,10 +126,11 @@ def _vllm() -> Preset:
     # Side by side with vLLM (its CPU build on a CPU): 64 requests at once, prompts 32-256 tokens, 64
     # greedy output tokens each, over 16 distinct rank-8 adapters on q/k/v/o, fp32; both engines also on
     # the base model alone (vLLM with LoRA off: its fastest, compiled base-only engine). vLLM has no tenants,
-    # so ours serves these first come, first served too (no HTTP system: Preset.tenants). Both engines take
-    # 4096-token steps, vLLM-CPU's default for its offline LLM (4096 x world size, vllm/engine/arg_utils.py),
-    # so that vLLM runs as its users get it (at our own 512 both ran within about 1% of their 4096 speeds,
-    # docs/performance.md, the thirteenth AMD EPYC Zen 4 section).
+    # so ours serves these first come, first served too (no HTTP system: Preset.in_process_tenants). Both
+    # engines take 4096-token steps, vLLM-CPU's default for its offline LLM (4096 x world size,
+    # vllm/engine/arg_utils.py), so that vLLM runs as its users get it; at our own 512, base-only, vLLM ran
+    # about 1.3% slower and ours the same, while both LoRA engines ran faster (vLLM's by a third, ours by
+    # about 4%; docs/performance.md, the thirteenth AMD EPYC Zen 4 section).
     main = WorkloadSpec(num_adapters=16, alpha=0.0, rate=float("inf"), num_requests=64, prompt_len=(32, 257),
                         output_len=(64, 65), num_tenants=16)
     return Preset(dtype="float32", main=main, systems=("engine", "base", "vllm", "vllm-base"), rates=(),

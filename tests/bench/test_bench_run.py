@@ -152,7 +152,6 @@ def test_trace_replay_registers_the_traces_own_adapter_names(tmp_path):
 def test_a_refused_request_is_that_requests_failure_not_the_runs(tmp_path):
     from loraplex import LLM
     from loraplex.bench.systems import run_engine
-    from loraplex.bench.workload import BenchRequest, Workload
 
     llm = LLM("tiny-llama", load_format="dummy", dtype="float32", num_kv_blocks=4, block_size=16)
     work = Workload(None, [BenchRequest(0.0, "t", None, [5] * 10, 4), BenchRequest(0.0, "t", None, [5] * 70, 4),
@@ -204,7 +203,6 @@ def test_a_presets_prefill_budget_and_tenants_reach_every_engine(tmp_path, monke
 def test_in_process_runs_queue_each_request_under_its_tenant(tenants, expected):
     from loraplex import LLM
     from loraplex.bench.systems import run_engine
-    from loraplex.bench.workload import BenchRequest, Workload
 
     llm = LLM("tiny-llama", load_format="dummy", dtype="float32")
     work = Workload(None, [BenchRequest(0.0, "b", None, [5] * 10, 4), BenchRequest(0.0, "a", None, [6] * 6, 2),
