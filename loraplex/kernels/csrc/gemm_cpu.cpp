@@ -19,10 +19,13 @@
 //   avx512   48 (3 x 16 lanes)    8  24 of 32 zmm
 //
 // The weights of a step are cold (every layer's in turn), so while the tiles of panel p run, the next
-// panel is prefetched into L1 a few lines per k: on avx2 by the first tile of the panel (64 bytes per k,
-// the panel's width), on avx512 spread over all the tiles of the row block (each asks for its share of
-// the next panel, a line every few k), which keeps the requests below what the core's miss buffers
-// take at once; asked for by the first tile alone, the 110 KB panel arrived late.
+// panel is prefetched into L1, spread over all the tiles of the row block: each asks for its share of the
+// next panel, a line every few k, which keeps the requests below what the core's miss buffers take at
+// once. Asked for by the first tile alone, avx512's 110 KB panel arrived late; so did avx2's 36 KB one
+// where the core runs 256-bit FMAs at full width (our avx2 tiles on a Zen 4 EPYC, one thread, the 30
+// layers' cold weights, scripts/gemm-bench --isa avx2: 92-96 -> 100-106 GFLOP/s at 64 rows, 96-101 ->
+// 99-106 at 512, three runs in turns; about 110 with the weight in L2). The avx2 tile was first tuned
+// on a Zen 1, whose half-width units take twice the cycles per k, so its first tile asked half as fast.
 //
 // Each output is sum_k x[m, k] w[n, k] accumulated in k order in fp32 by FMA (plus the bias, first):
 // as close to the exact product as F.linear's (tested), not the same bits.
@@ -50,9 +53,8 @@ constexpr int64_t kBlockBytes = 256 << 10;  // x rows per block: about this many
 
 struct Shape {  // one ISA's tile
   int64_t nr, mr;
-  bool spread;  // prefetch the next panel from every tile of a block (else from its first tile)
 };
-constexpr Shape kAvx2{16, 6, false}, kAvx512{48, 8, true};
+constexpr Shape kAvx2{16, 6}, kAvx512{48, 8};
 
 int64_t num_panels(int64_t n, int64_t nr) { return (n + nr - 1) / nr; }
 
@@ -229,7 +231,7 @@ void gemm_panels(const Shape& s, const float* x, int64_t lda, int64_t m, int64_t
   for (int64_t m0 = 0; m0 < m; m0 += block) {
     const int64_t m1 = std::min(m, m0 + block);
     // the next panel's bytes, split between the first `askers` tiles: share bytes each, step bytes per k
-    const int64_t askers = s.spread ? std::min((m1 - m0 + s.mr - 1) / s.mr, panel / 16) : 1;  // <= its lines
+    const int64_t askers = std::min((m1 - m0 + s.mr - 1) / s.mr, panel / 16);  // <= its lines
     const int64_t share = (panel * 4 / askers + 63) / 64 * 64;
     const int64_t step = (share + k - 1) / k;
     const int lines = static_cast<int>(std::min<int64_t>((step + 63) / 64, s.nr / 16));
