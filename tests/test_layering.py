@@ -11,7 +11,8 @@ import loraplex
 ROOT = Path(loraplex.__file__).parent
 FORBIDDEN = {"kernels": ("engine", "platform", "adapters"), "adapters": ("engine", "platform"),
              "engine": ("platform",), "model_config": ("engine", "platform", "adapters", "kernels"),
-             "threads": ("engine", "platform", "adapters", "kernels")}
+             "threads": ("engine", "platform", "adapters", "kernels"),
+             "isa": ("engine", "platform", "adapters", "kernels", "bench")}
 
 
 def module_of(path: Path) -> str:

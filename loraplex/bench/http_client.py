@@ -41,6 +41,7 @@ from pathlib import Path
 
 import httpx
 
+from loraplex import isa
 from loraplex.bench.metrics import RequestRecord, RunStats
 from loraplex.bench.workload import BenchRequest, Workload
 
@@ -91,10 +92,10 @@ class Server:
 
 
 def server_environ(engine_env: dict[str, str] | None, *, home: Path, port: int, admin_key: str) -> dict[str, str]:
-    """The environment of a bench server: this process's, less its LORAPLEX_* variables, then
-    `BENCH_SERVER_ENV`, then `engine_env` (which wins over both), then the server's home, address and
-    admin key."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
+    """The environment of a bench server: this process's, less its LORAPLEX_* variables but for
+    LORAPLEX_CPU_ISA (the bench's code paths, `loraplex.isa`), then `BENCH_SERVER_ENV`, then `engine_env`
+    (which wins over both), then the server's home, address and admin key."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_") or k == isa.ENV}
     return env | BENCH_SERVER_ENV | (engine_env or {}) | {
         "LORAPLEX_HOME": str(home),
         "LORAPLEX_HOST": "127.0.0.1",
@@ -113,7 +114,7 @@ def serve_subprocess(engine_env: dict[str, str] | None = None, *, port: int | No
 
     engine_env: LORAPLEX_* settings (LORAPLEX_MAX_LORAS, LORAPLEX_DTYPE, ...) and others such as
     OMP_NUM_THREADS, over `BENCH_SERVER_ENV`; the caller's own LORAPLEX_* variables are not passed on
-    (no shared database or Redis). port: default a free one. log_path: the server's stdout and stderr (default a file in the
+    (no shared database or Redis) but for LORAPLEX_CPU_ISA. port: default a free one. log_path: the server's stdout and stderr (default a file in the
     home, deleted). Raises RuntimeError with the log's tail if the server does not start.
     """
     from loraplex.engine.loader import loraplex_home

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from loraplex import isa
 from loraplex.bench.metrics import Summary
 
 NAMES = {
@@ -75,7 +76,7 @@ def cpu_flags() -> str:
         flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":", 1)[1].split())
     except (OSError, StopIteration):
         return "unknown"
-    return " ".join(f for f in CPU_FLAGS if f in flags) or "none of " + " ".join(CPU_FLAGS)
+    return (" ".join(f for f in CPU_FLAGS if f in flags) or "none of " + " ".join(CPU_FLAGS)) + isa.describe()
 
 
 def commit() -> str:

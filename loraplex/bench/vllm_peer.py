@@ -25,6 +25,22 @@ import sys
 import time
 
 
+def hold_to_avx2() -> bool:
+    """Under `LORAPLEX_CPU_ISA=avx2` (loraplex/isa.py, inherited from the bench), make vLLM load its AVX2
+    kernels (`vllm._C_AVX2`) on a CPU with AVX-512, as it does on an AVX2-only one: vLLM 0.32's
+    `CpuPlatform.import_kernels` picks the library by `torch.cpu._is_avx512_supported()` and
+    `_is_avx512_bf16_supported()`, which read the CPU, not `ATEN_CPU_CAPABILITY` (that variable, and
+    `ONEDNN_MAX_CPU_ISA`, come with the environment and hold PyTorch's and oneDNN's own kernels). Call
+    before vLLM is imported. True if it held them."""
+    if os.environ.get("LORAPLEX_CPU_ISA", "").strip().lower() != "avx2":
+        return False
+    import torch.cpu
+
+    torch.cpu._is_avx512_supported = lambda: False
+    torch.cpu._is_avx512_bf16_supported = lambda: False
+    return True
+
+
 def main(job_path: str, result_path: str) -> int:
     with open(job_path) as f:
         job = json.load(f)
@@ -34,6 +50,7 @@ def main(job_path: str, result_path: str) -> int:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in cpus[:threads]))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_cache_gib", 4)))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    hold_to_avx2()
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from loraplex import threads
+from loraplex import isa, threads
 from loraplex.adapters.manager import AdapterInUseError, AdapterManager
 from loraplex.engine.block_manager import BASE_IDENTITY, BlockManager, cdiv
 from loraplex.engine.config import EngineConfig
@@ -48,7 +48,10 @@ def pick_device(device: str | torch.device) -> torch.device:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX), where bf16 GEMMs beat fp32."""
+    """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX), where bf16 GEMMs beat fp32; False
+    when `LORAPLEX_CPU_ISA=avx2` holds the process to AVX2 (`loraplex.isa`)."""
+    if isa.cap():
+        return False
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:

@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from loraplex import isa
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
@@ -47,7 +49,7 @@ SOURCES = [CSRC / "module.cpp", CSRC / "bgmv_cpu.cpp", CSRC / "paged_attention_c
            CSRC / "greedy_head_cpu.cpp", CSRC / "first_max_cpu.cpp", CSRC / "rope_cpu.cpp",
            CSRC / "norm_act_cpu.cpp", CSRC / "layer_cpu.cpp"]
 HEADERS = [CSRC / "entry_points.h", CSRC / "paged_attention.h", CSRC / "paged_vec.h", CSRC / "bgmv_rows.inc"]
-CFLAGS = ("-O3", "-fopenmp")
+CFLAGS = ("-O3", "-fopenmp") + (("-DLORAPLEX_NO_AVX512",) if isa.cap() == "avx2" else ())  # loraplex.isa
 LDFLAGS = ("-fopenmp",)
 
 _lock = threading.Lock()
@@ -144,7 +146,7 @@ def _build():
     logger.info("CPU kernels ready in %.1f s (AVX-512: %s, AVX512-BF16: %s)", time.perf_counter() - start,
                 module.avx512_available(), module.avx512_bf16_available())
     if not module.avx512_available():
-        logger.warning("this CPU has no AVX-512: many-adapter bf16/fp16 CPU steps use the embedding_bag "
-                       "gathers, faster here than the kernel's scalar path%s",
-                       "; fp32 ones its AVX2 path" if module.avx2_available() else "")
+        logger.warning("%s: many-adapter bf16/fp16 CPU steps use the embedding_bag gathers, faster here than "
+                       "the kernel's scalar path%s", "held to AVX2 (LORAPLEX_CPU_ISA=avx2)" if isa.cap() else
+                       "this CPU has no AVX-512", "; fp32 ones its AVX2 path" if module.avx2_available() else "")
     return module

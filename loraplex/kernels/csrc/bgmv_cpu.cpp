@@ -262,10 +262,18 @@ bool has_avx2() {
   return yes;
 }
 
+// A build held to AVX2 (LORAPLEX_NO_AVX512, loraplex/isa.py) sees no AVX-512: every caller of these two
+// (this kernel, the GEMM, the greedy pick, the lm_head's bf16 screen) takes its AVX2 path.
+#if defined(LORAPLEX_NO_AVX512)
+constexpr bool kAvx512Allowed = false;
+#else
+constexpr bool kAvx512Allowed = true;
+#endif
+
 bool has_avx512_bf16() {
   static const bool yes = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16");
+    return kAvx512Allowed && __builtin_cpu_supports("avx512bf16");
   }();
   return yes;
 }
@@ -273,7 +281,7 @@ bool has_avx512_bf16() {
 bool has_avx512() {
   static const bool yes = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+    return kAvx512Allowed && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
            __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   }();

@@ -178,7 +178,11 @@ LORAPLEX_INLINE float lane_sum(V v) {
 
 // Whether the loops run on 16 lanes (the CPU has AVX-512F) or on 8 (AVX2); read once.
 inline bool wide() {
+#if defined(LORAPLEX_NO_AVX512)  // held to AVX2 (paged_attention.h)
+  static const bool avx512 = false;
+#else
   static const bool avx512 = __builtin_cpu_supports("avx512f");
+#endif
   return avx512;
 }
 
