@@ -72,6 +72,15 @@ def test_reports_say_the_run_was_held(monkeypatch):
     assert cpu_flags() == free + " (held to AVX2: LORAPLEX_CPU_ISA=avx2)"
 
 
+def test_reports_name_the_command_with_the_hold(monkeypatch):
+    from loraplex.bench.report import command_line
+
+    monkeypatch.delenv(isa.ENV, raising=False)
+    assert command_line(["--preset", "vllm", "--out", "a b.md"]) == "loraplex bench --preset vllm --out 'a b.md'"
+    monkeypatch.setenv(isa.ENV, "avx2")
+    assert command_line(["--preset", "vllm"]) == "LORAPLEX_CPU_ISA=avx2 loraplex bench --preset vllm"
+
+
 def test_the_bench_server_keeps_the_hold(monkeypatch, tmp_path):
     from loraplex.bench.http_client import server_environ
 

@@ -6,6 +6,7 @@ import collections
 import datetime
 import os
 import platform
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -77,6 +78,12 @@ def cpu_flags() -> str:
     except (OSError, StopIteration):
         return "unknown"
     return (" ".join(f for f in CPU_FLAGS if f in flags) or "none of " + " ".join(CPU_FLAGS)) + isa.describe()
+
+
+def command_line(argv: list[str]) -> str:
+    """The command a report names for `loraplex bench argv`, with `LORAPLEX_CPU_ISA=avx2 ` before it when
+    the run was held to AVX2 (`loraplex.isa`), so that it reruns the same paths."""
+    return ("LORAPLEX_CPU_ISA=avx2 " if isa.cap() else "") + "loraplex bench " + shlex.join(argv)
 
 
 def commit() -> str:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shlex
 import sys
 import tempfile
 import time
@@ -395,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                                           "$LORAPLEX_PEER_PYTHON, else .peer/vllm/bin/python from scripts/peer-vllm)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    command = "loraplex bench " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = report.command_line(argv if argv is not None else sys.argv[1:])
     if args.preset == "fairness":  # its own runs: one engine per scheduling policy (bench/fairness.py)
         from loraplex.bench import fairness
 
