@@ -3,7 +3,11 @@
 from loraplex import isa, threads
 
 threads.set_wait_policy()  # before torch is imported: OpenMP threads that sleep when they wait
-isa.apply()  # LORAPLEX_CPU_ISA=avx2: PyTorch and oneDNN on their AVX2 code, set before torch loads
+if isa.cap() and not isa.apply():  # LORAPLEX_CPU_ISA=avx2: PyTorch, oneDNN, MKL on AVX2, before torch loads
+    import warnings
+
+    warnings.warn("LORAPLEX_CPU_ISA=avx2 came after torch was imported: PyTorch's, oneDNN's and MKL's kernels "
+                  "keep their own dispatch; only loraplex's are held", stacklevel=2)
 
 from loraplex.engine.llm import LLM  # noqa: E402
 from loraplex.engine.request import RequestOutput  # noqa: E402

@@ -5,9 +5,10 @@ Held to AVX2, each part takes the path it takes on an AVX2-only CPU:
 - our compiled kernels are built without their AVX-512 code (`-DLORAPLEX_NO_AVX512`, a build of its
   own): the GEMM's 6 x 16 tiles, the attention loops' 8-lane clones, BGMV's AVX2 fp32 path, no bf16
   screen of the lm_head;
-- PyTorch's own kernels take their AVX2 dispatch (`ATEN_CPU_CAPABILITY=avx2`) and oneDNN its AVX2 code
-  (`ONEDNN_MAX_CPU_ISA=AVX2`), both read when torch loads, so this module sets them first (from
-  `loraplex/__init__.py`, unless the environment already chose);
+- PyTorch's own kernels take their AVX2 dispatch (`ATEN_CPU_CAPABILITY=avx2`), oneDNN and MKL their
+  AVX2 code (`ONEDNN_MAX_CPU_ISA=AVX2`, `MKL_ENABLE_INSTRUCTIONS=AVX2`), all read when torch loads, so
+  this module sets them first (from `loraplex/__init__.py`, unless the environment already chose; a
+  process that imported torch first gets a warning); oneDNN's bf16 linears are refused, as there;
 - `dtype="auto"` picks fp32, as it does without AVX512-BF16;
 - a benchmark's vLLM peer loads vLLM's AVX2 kernels (`vllm._C_AVX2`, `bench/vllm_peer.py`), and every
   report's CPU flags line says the run was held.
@@ -25,7 +26,7 @@ import sys
 ENV = "LORAPLEX_CPU_ISA"
 CHOICES = ("auto", "avx2")
 # set before torch loads (each only where the environment has not chosen): PyTorch's dispatch and oneDNN's
-TORCH_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+TORCH_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
 def cap() -> str | None:
@@ -49,5 +50,11 @@ def apply() -> bool:
 
 
 def describe() -> str:
-    """A note for benchmark reports' CPU flags line: "" unless held to AVX2."""
-    return f" (held to AVX2: {ENV}=avx2)" if cap() else ""
+    """A note for benchmark reports' CPU flags line: "" unless held to AVX2, else what is held, with
+    PyTorch's dispatch as it is in effect (a process that loaded torch before `apply` keeps its own)."""
+    if not cap():
+        return ""
+    import torch
+
+    held = ", ".join(f"{name}={os.environ.get(name, 'unset')}" for name in TORCH_ENV)
+    return f" (held to AVX2: {ENV}=avx2, {held}; PyTorch's kernels: {torch.backends.cpu.get_cpu_capability()})"

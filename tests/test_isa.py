@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import torch.cpu
 
 from loraplex import isa
@@ -23,7 +24,8 @@ def test_cap_reads_the_variable(monkeypatch, value, want):
     else:
         monkeypatch.setenv(isa.ENV, value)
     assert isa.cap() == want
-    assert isa.describe() == (" (held to AVX2: LORAPLEX_CPU_ISA=avx2)" if want else "")
+    assert isa.describe().startswith(" (held to AVX2: LORAPLEX_CPU_ISA=avx2, ATEN_CPU_CAPABILITY=") == bool(want)
+    assert (isa.describe() == "") == (not want)
 
 
 def test_cap_refuses_other_values(monkeypatch):
@@ -33,14 +35,15 @@ def test_cap_refuses_other_values(monkeypatch):
 
 
 def test_apply_sets_torch_and_onednn_only_where_unset(monkeypatch):
-    monkeypatch.delenv(isa.ENV, raising=False)
-    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    for name in (isa.ENV, *isa.TORCH_ENV):  # set, then deleted: monkeypatch restores them afterwards
+        monkeypatch.setenv(name, "x")
+        monkeypatch.delenv(name)
     assert isa.apply() is False and "ATEN_CPU_CAPABILITY" not in os.environ
     monkeypatch.setenv(isa.ENV, "avx2")
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2_VNNI")  # the environment's choice stays
     assert isa.apply() is False  # torch is loaded in this process: its own dispatch is already fixed
     assert os.environ["ATEN_CPU_CAPABILITY"] == "avx2" and os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2_VNNI"
+    assert os.environ["MKL_ENABLE_INSTRUCTIONS"] == "AVX2"
 
 
 def _in_fresh_python(code: str, **env: str) -> str:
@@ -63,13 +66,27 @@ def test_a_held_process_has_torch_on_avx2_and_its_own_kernel_build():
     assert held[1] != free[1] and held[1].startswith("loraplex_cpu_")
 
 
+def test_held_cpus_have_no_fast_bf16(monkeypatch, tmp_path):
+    from loraplex.engine.llm_engine import cpu_has_fast_bf16
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags\t\t: fpu avx2 fma avx512f avx512bw avx512_bf16\n")
+    monkeypatch.delenv(isa.ENV, raising=False)
+    assert cpu_has_fast_bf16(cpuinfo) is True
+    monkeypatch.setenv(isa.ENV, "avx2")
+    assert cpu_has_fast_bf16(cpuinfo) is False
+
+
 def test_reports_say_the_run_was_held(monkeypatch):
     from loraplex.bench.report import cpu_flags
 
     monkeypatch.delenv(isa.ENV, raising=False)
     free = cpu_flags()
     monkeypatch.setenv(isa.ENV, "avx2")
-    assert cpu_flags() == free + " (held to AVX2: LORAPLEX_CPU_ISA=avx2)"
+    for name, value in isa.TORCH_ENV.items():
+        monkeypatch.setenv(name, value)
+    assert cpu_flags() == free + (" (held to AVX2: LORAPLEX_CPU_ISA=avx2, ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, "
+                                  f"MKL_ENABLE_INSTRUCTIONS=AVX2; PyTorch's kernels: {torch.backends.cpu.get_cpu_capability()})")
 
 
 def test_reports_name_the_command_with_the_hold(monkeypatch):
@@ -88,6 +105,24 @@ def test_the_bench_server_keeps_the_hold(monkeypatch, tmp_path):
     monkeypatch.setenv("LORAPLEX_REDIS_URL", "redis://elsewhere:6379")
     env = server_environ(None, home=tmp_path, port=1, admin_key="k")
     assert env[isa.ENV] == "avx2" and "LORAPLEX_REDIS_URL" not in env
+
+
+def test_vllm_peer_reads_which_kernel_library_its_processes_mapped(tmp_path):
+    """The peer's check after loading vLLM: the `.abi3.so` libraries mapped in it and its children."""
+    from loraplex.bench import vllm_peer
+
+    assert vllm_peer.vllm_kernels() == []  # no vLLM in this process or its children
+    lib = tmp_path / "vllm" / "_C_AVX2.abi3.so"  # a file of that name, mapped by a child process
+    lib.parent.mkdir()
+    lib.write_bytes(b"\0" * 4096)
+    code = f"import mmap, sys; f = open({str(lib)!r}, 'rb'); m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ); " \
+           "print('mapped', flush=True); sys.stdin.read()"
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "mapped"
+        assert vllm_peer.vllm_kernels() == ["_C_AVX2"]
+    finally:
+        child.communicate("", timeout=30)
 
 
 def test_vllm_peer_loads_vllms_avx2_kernels_when_held(monkeypatch):

@@ -233,10 +233,15 @@ def run_vllm_many(python: Path, workloads: list[Workload], adapter_dirs: dict[st
     # a folder the peer should import from.
     script = workdir / "vllm_peer.py"
     script.write_text(Path(__file__).with_name("vllm_peer.py").read_text())
+    from loraplex import isa
     from loraplex.threads import peer_environ
 
+    env = peer_environ()
+    if isa.cap() == "avx2":  # every process of the peer (its engine core too) holds vLLM to _C_AVX2, at start
+        (workdir / "sitecustomize.py").write_text("import vllm_peer\n\nvllm_peer.hold_to_avx2()\n")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(workdir), env.get("PYTHONPATH", "")) if p)
     proc = subprocess.run([str(python), str(script), str(job_path), str(result_path)], capture_output=True, text=True,
-                          env=peer_environ())
+                          env=env)
     if proc.returncode != 0 or not result_path.exists():
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
         raise RuntimeError(f"vLLM peer failed (exit {proc.returncode}):\n{tail}")

@@ -9,7 +9,7 @@ job: {"model": HF directory, "dtype", "threads", "cpus" (the cores to bind them 
 "max_lora_rank", "kv_cache_gib", "adapters": {name: PEFT directory} (empty: LoRA off, vLLM's
 base-only engine), "warmup": [request], "runs": [[request]]}; request: {"prompt_token_ids",
 "output_len", "adapter" (name or null), "arrival_s"}. The runs replay one after another in one engine.
-result: {"vllm": version, "load_s", "runs": [{"records": [{"first_token_s", "finish_s", "token_ids",
+result: {"vllm": version, "vllm_kernels" (the kernel libraries its processes loaded), "load_s", "runs": [{"records": [{"first_token_s", "finish_s", "token_ids",
 "error"}], "num_steps", "num_batched_rows", "steps": [[seconds, rows that made a token, rows that made
 their first]]}]}. Times are seconds from the start of the replay, as
 `loraplex.bench.systems` measures ours; vLLM gets each request once its arrival time has passed
@@ -31,7 +31,9 @@ def hold_to_avx2() -> bool:
     `CpuPlatform.import_kernels` picks the library by `torch.cpu._is_avx512_supported()` and
     `_is_avx512_bf16_supported()`, which read the CPU, not `ATEN_CPU_CAPABILITY` (that variable, and
     `ONEDNN_MAX_CPU_ISA`, come with the environment and hold PyTorch's and oneDNN's own kernels). Call
-    before vLLM is imported. True if it held them."""
+    before vLLM is imported, in every process of the peer: vLLM's engine core runs in a process of its own,
+    which a patch in this one alone did not reach (it mapped `_C`), so the bench runs it from a
+    `sitecustomize` beside this script (`systems.run_vllm`). True if it held them."""
     if os.environ.get("LORAPLEX_CPU_ISA", "").strip().lower() != "avx2":
         return False
     import torch.cpu
@@ -39,6 +41,35 @@ def hold_to_avx2() -> bool:
     torch.cpu._is_avx512_supported = lambda: False
     torch.cpu._is_avx512_bf16_supported = lambda: False
     return True
+
+
+def vllm_kernels(pid: int | None = None) -> list[str]:
+    """The vLLM kernel libraries (`_C`, `_C_AVX512`, `_C_AVX2`, from the `.abi3.so` names) mapped into process
+    `pid` (default this one) and its descendants (vLLM's engine core runs in a child), sorted; read from
+    /proc (Linux), [] where it cannot be read."""
+    root = os.getpid() if pid is None else pid
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [root]
+    while todo:
+        p = todo.pop()
+        todo.extend(children.get(p, []))
+        try:
+            with open(f"/proc/{p}/maps") as f:
+                maps = f.read()
+        except OSError:
+            continue
+        for name in ("_C", "_C_AVX512", "_C_AVX2"):
+            if f"/vllm/{name}.abi3.so" in maps:
+                found.add(name)
+    return sorted(found)
 
 
 def main(job_path: str, result_path: str) -> int:
@@ -50,7 +81,7 @@ def main(job_path: str, result_path: str) -> int:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in cpus[:threads]))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_cache_gib", 4)))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    hold_to_avx2()
+    held = hold_to_avx2()
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
@@ -67,6 +98,10 @@ def main(job_path: str, result_path: str) -> int:
     ids = {name: i + 1 for i, name in enumerate(sorted(job["adapters"]))}
     loras = {name: LoRARequest(name, ids[name], path) for name, path in job["adapters"].items()}
     load_s = time.perf_counter() - t0
+    kernels = vllm_kernels()
+    if held and kernels != ["_C_AVX2"]:  # the switch above missed (vLLM changed how it picks): say so, not a wrong table
+        raise RuntimeError(f"LORAPLEX_CPU_ISA=avx2, but vLLM's processes loaded {kernels or 'no kernel library'}, "
+                           "not only vllm._C_AVX2")
 
     def replay(requests: list[dict]) -> dict:
         records = [{"first_token_s": None, "finish_s": None, "token_ids": [], "error": None} for _ in requests]
@@ -112,7 +147,7 @@ def main(job_path: str, result_path: str) -> int:
 
     if job.get("warmup"):
         replay(job["warmup"])
-    result = {"vllm": vllm.__version__, "load_s": load_s, "runs": [replay(run) for run in job["runs"]]}
+    result = {"vllm": vllm.__version__, "vllm_kernels": kernels, "load_s": load_s, "runs": [replay(run) for run in job["runs"]]}
     with open(result_path, "w") as f:
         json.dump(result, f)
     return 0

@@ -47,13 +47,13 @@ def pick_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
-def cpu_has_fast_bf16() -> bool:
+def cpu_has_fast_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX), where bf16 GEMMs beat fp32; False
     when `LORAPLEX_CPU_ISA=avx2` holds the process to AVX2 (`loraplex.isa`)."""
     if isa.cap():
         return False
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        flags = cpuinfo.read_text()
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags

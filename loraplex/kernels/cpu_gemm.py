@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraplex import isa
 from loraplex.kernels import cpu_ext
 
 logger = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ def row_range(name: str, kind: str, dtype: torch.dtype) -> tuple[int, int]:
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 # oneDNN's bf16 linear needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere (an AVX2-only CPU) packing a bf16
 # weight raises "bf16 path needs the cpu support ...", so such weights stay on F.linear, said up front.
-ONEDNN_BF16 = ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+ONEDNN_BF16 = ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() and not isa.cap()  # held: as on AVX2
 
 
 def bucket_rows(m: int) -> int:
