@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,6 +124,25 @@ def test_vllm_peer_reads_which_kernel_library_its_processes_mapped(tmp_path):
         assert vllm_peer.vllm_kernels() == ["_C_AVX2"]
     finally:
         child.communicate("", timeout=30)
+
+
+def test_every_process_of_the_vllm_peer_is_held(monkeypatch, tmp_path):
+    """The bench starts the peer with a sitecustomize beside its script: a Python started with that
+    environment (as vLLM's engine core is) has torch.cpu's AVX-512 checks false before anything runs."""
+    from loraplex.bench import systems, vllm_peer
+
+    (tmp_path / "vllm_peer.py").write_text((Path(vllm_peer.__file__)).read_text())
+    monkeypatch.delenv(isa.ENV, raising=False)
+    assert "PYTHONPATH" not in systems.vllm_peer_environ(tmp_path) or str(tmp_path) not in os.environ.get("PYTHONPATH", "")
+    assert not (tmp_path / "sitecustomize.py").exists()
+    monkeypatch.setenv(isa.ENV, "avx2")
+    env = systems.vllm_peer_environ(tmp_path)
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", "import sys, torch.cpu; print(torch.cpu._is_avx512_supported(), "
+                          "torch.cpu._is_avx512_bf16_supported(), 'torch' in sys.modules)"],
+                         env=env, capture_output=True, text=True, timeout=300, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False", "True"]
 
 
 def test_vllm_peer_loads_vllms_avx2_kernels_when_held(monkeypatch):

@@ -181,6 +181,23 @@ def peer_python(explicit: str | None = None) -> Path | None:
     return None
 
 
+def vllm_peer_environ(workdir: Path) -> dict[str, str]:
+    """The environment of the vLLM peer run from `workdir` (which holds its copy of vllm_peer.py):
+    `threads.peer_environ()`, and under `LORAPLEX_CPU_ISA=avx2` a `sitecustomize.py` written there and put
+    first on PYTHONPATH, so that every process of the peer (vLLM's engine core runs in its own) holds
+    vLLM to its AVX2 library from the start (`vllm_peer.hold_to_avx2`)."""
+    import os
+
+    from loraplex import isa
+    from loraplex.threads import peer_environ
+
+    env = peer_environ()
+    if isa.cap() == "avx2":
+        (workdir / "sitecustomize.py").write_text("import vllm_peer\n\nvllm_peer.hold_to_avx2()\n")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(workdir), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
 def run_vllm(python: Path, workload: Workload, adapter_dirs: dict[str, Path], *, model_dir: Path, dtype: str,
              threads: int, max_num_seqs: int, max_loras: int, max_lora_rank: int, workdir: Path,
              lora: bool = True, max_num_batched_tokens: int) -> tuple[list[RequestRecord], RunStats, str]:
@@ -233,15 +250,8 @@ def run_vllm_many(python: Path, workloads: list[Workload], adapter_dirs: dict[st
     # a folder the peer should import from.
     script = workdir / "vllm_peer.py"
     script.write_text(Path(__file__).with_name("vllm_peer.py").read_text())
-    from loraplex import isa
-    from loraplex.threads import peer_environ
-
-    env = peer_environ()
-    if isa.cap() == "avx2":  # every process of the peer (its engine core too) holds vLLM to _C_AVX2, at start
-        (workdir / "sitecustomize.py").write_text("import vllm_peer\n\nvllm_peer.hold_to_avx2()\n")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(workdir), env.get("PYTHONPATH", "")) if p)
     proc = subprocess.run([str(python), str(script), str(job_path), str(result_path)], capture_output=True, text=True,
-                          env=env)
+                          env=vllm_peer_environ(workdir))
     if proc.returncode != 0 or not result_path.exists():
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
         raise RuntimeError(f"vLLM peer failed (exit {proc.returncode}):\n{tail}")
