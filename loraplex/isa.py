@@ -25,7 +25,7 @@ import sys
 
 ENV = "LORAPLEX_CPU_ISA"
 CHOICES = ("auto", "avx2")
-# set before torch loads (each only where the environment has not chosen): PyTorch's dispatch and oneDNN's
+# set before torch loads (each only where the environment has not chosen): PyTorch's dispatch, oneDNN's, MKL's
 TORCH_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
@@ -39,7 +39,7 @@ def cap() -> str | None:
 
 
 def apply() -> bool:
-    """Under `LORAPLEX_CPU_ISA=avx2`, set PyTorch's and oneDNN's ISA variables (`TORCH_ENV`) where unset,
+    """Under `LORAPLEX_CPU_ISA=avx2`, set PyTorch's, oneDNN's and MKL's ISA variables (`TORCH_ENV`) where unset,
     before torch is imported. True if the process is held to AVX2 and torch was not loaded yet (after,
     torch's own kernels would keep their dispatch; ours are still built without AVX-512)."""
     if cap() is None:
