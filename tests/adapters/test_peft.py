@@ -309,15 +309,25 @@ def test_refuses_rank_above_max(make_adapter, model_config):
         load(path, model_config)
 
 
-def test_overlapping_rank_pattern_reordered_by_save(make_adapter, model_config, make_llama):
-    """PEFT sorts pattern keys on save: 'layers.1...' now comes first and wins, as in PEFT's loader."""
+def test_overlapping_rank_pattern_follows_the_saved_order(make_adapter, model_config, make_llama):
+    """Overlapping rank_pattern keys: the first key in the file that matches a module wins, as in PEFT's
+    loader. PEFT before 0.22 sorted the keys on save, so 'layers.1...' came first and its rank 6 disagreed
+    with the rank-2 tensors trained under 'q_proj': we refuse the file, and PEFT cannot reload it either.
+    PEFT 0.22 keeps the order, so 'q_proj' still wins for layer 1 and both load the same ranks."""
     path, _ = make_adapter(
         target_modules=["q_proj"], rank_pattern={"q_proj": 2, "layers.1.self_attn.q_proj": 6}
     )
-    with pytest.raises(AdapterError, match=r"rank_pattern keys \['layers.1.self_attn.q_proj', 'q_proj'\]"):
-        load(path, model_config)
-    with pytest.raises(RuntimeError, match="size mismatch"):  # PEFT cannot reload it either
-        peft.PeftModel.from_pretrained(make_llama(), path)
+    saved = list(json.loads((path / "adapter_config.json").read_text())["rank_pattern"])
+    if saved == ["layers.1.self_attn.q_proj", "q_proj"]:  # reordered by an older PEFT's save
+        with pytest.raises(AdapterError, match=r"rank_pattern keys \['layers.1.self_attn.q_proj', 'q_proj'\]"):
+            load(path, model_config)
+        with pytest.raises(RuntimeError, match="size mismatch"):  # PEFT cannot reload it either
+            peft.PeftModel.from_pretrained(make_llama(), path)
+        return
+    assert saved == ["q_proj", "layers.1.self_attn.q_proj"]
+    adapter = load(path, model_config)
+    assert_matches_peft(adapter, peft.PeftModel.from_pretrained(make_llama(), path))
+    assert adapter.rank == 2
 
 
 def test_refuses_missing_and_broken_files(make_adapter, model_config, tmp_path):
