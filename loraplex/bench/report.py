@@ -83,7 +83,7 @@ def cpu_flags() -> str:
 def command_line(argv: list[str]) -> str:
     """The command a report names for `loraplex bench argv`, with `LORAPLEX_CPU_ISA=avx2 ` before it when
     the run was held to AVX2 (`loraplex.isa`), so that it reruns the same paths."""
-    return ("LORAPLEX_CPU_ISA=avx2 " if isa.cap() else "") + "loraplex bench " + shlex.join(argv)
+    return (f"{isa.ENV}=avx2 " if isa.cap() else "") + "loraplex bench " + shlex.join(argv)
 
 
 def commit() -> str:

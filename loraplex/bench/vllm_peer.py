@@ -33,7 +33,7 @@ def hold_to_avx2() -> bool:
     `ONEDNN_MAX_CPU_ISA`, come with the environment and hold PyTorch's and oneDNN's own kernels). Call
     before vLLM is imported, in every process of the peer: vLLM's engine core runs in a process of its own,
     which a patch in this one alone did not reach (it mapped `_C`), so the bench runs it from a
-    `sitecustomize` beside this script (`systems.run_vllm`). True if it held them."""
+    `sitecustomize` beside this script (`systems.vllm_peer_environ`). True if it held them."""
     if os.environ.get("LORAPLEX_CPU_ISA", "").strip().lower() != "avx2":
         return False
     import torch.cpu
@@ -43,11 +43,11 @@ def hold_to_avx2() -> bool:
     return True
 
 
-def vllm_kernels(pid: int | None = None) -> list[str]:
-    """The vLLM kernel libraries (`_C`, `_C_AVX512`, `_C_AVX2`, from the `.abi3.so` names) mapped into process
-    `pid` (default this one) and its descendants (vLLM's engine core runs in a child), sorted; read from
-    /proc (Linux), [] where it cannot be read."""
-    root = os.getpid() if pid is None else pid
+def vllm_kernels() -> list[str]:
+    """The vLLM kernel libraries (`_C`, `_C_AVX512`, `_C_AVX2`, from the `.abi3.so` names) mapped into this
+    process and its descendants (vLLM's engine core runs in a child), sorted; read from /proc (Linux), []
+    where it cannot be read."""
+    root = os.getpid()
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
