@@ -15,14 +15,15 @@
 // "avx2", which stays for a CPU (or VM) that shows AVX2 but hides one of x86-64-v3's other features.
 // A build with LORAPLEX_NO_AVX512 (LORAPLEX_CPU_ISA=avx2, loraplex/isa.py) has no AVX-512 clone, so an
 // AVX-512 CPU runs the AVX2 ones, as an AVX2-only CPU does.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && defined(LORAPLEX_NO_AVX512)
-#define LORAPLEX_CLONES __attribute__((target_clones("arch=x86-64-v3", "avx2", "default")))
-#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-#define LORAPLEX_CLONES __attribute__((target_clones("avx512f", "arch=x86-64-v3", "avx2", "default")))
-#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(LORAPLEX_NO_AVX512)
-#define LORAPLEX_CLONES __attribute__((target_clones("avx2", "default")))
+#if defined(LORAPLEX_NO_AVX512)
+#define LORAPLEX_AVX512_CLONE
+#else
+#define LORAPLEX_AVX512_CLONE "avx512f",
+#endif
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#define LORAPLEX_CLONES __attribute__((target_clones(LORAPLEX_AVX512_CLONE "arch=x86-64-v3", "avx2", "default")))
 #elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define LORAPLEX_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define LORAPLEX_CLONES __attribute__((target_clones(LORAPLEX_AVX512_CLONE "avx2", "default")))
 #else
 #define LORAPLEX_CLONES
 #endif
