@@ -36,6 +36,8 @@ from loraplex.model_config import LORA_TARGET_MODULES, ModelConfig
 
 # PEFT's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING for llama, mistral and qwen2.
 DEFAULT_TARGET_MODULES = ["q_proj", "v_proj"]
+FP32_MAX = 3.4028234663852886e38  # the largest finite float32 (torch.finfo(torch.float32).max)
+
 # The regexes PEFT builds around a rank_pattern / alpha_pattern key and around a layers_pattern entry.
 PATTERN_KEY_REGEX = r"(.*\.)?({})$"
 LAYERS_PATTERN_REGEX = r"(?:^|.*?\.){}\.(?P<idx>\d+)\."
@@ -345,6 +347,12 @@ def resolve_lora_modules(
                     f"adapter_config.json: {r_source} = {module_r} (module {name}) exceeds max_lora_rank = {max_lora_rank}"
                 )
             scaling = alpha / math.sqrt(module_r) if use_rslora else alpha / module_r
+            if abs(scaling) > FP32_MAX:  # an adapter slot holds it in fp32 (or narrower): it could never load
+                alpha_source = "lora_alpha" if alpha_key is None else f"alpha_pattern[{alpha_key!r}]"
+                raise AdapterError(
+                    f"adapter_config.json: {alpha_source} = {alpha!r} with {r_source} = {module_r} (module {name}) "
+                    f"gives the scaling {scaling:.3g}, beyond what fp32 holds ({FP32_MAX:.3g})"
+                )
             specs[(layer, module)] = LoRAModuleSpec(module_r, alpha, scaling, r_source)
     if not specs:
         raise AdapterError(

@@ -272,6 +272,8 @@ def test_refuses_real_peft_features(kwargs, field, make_adapter, model_config):
         (dict(r=0), "r = 0"),
         (dict(r=4.0), "r = 4.0"),
         (dict(lora_alpha="8"), "lora_alpha"),
+        (dict(lora_alpha=1e308), r"lora_alpha = 1e\+308 with r = 4 .* beyond what fp32 holds"),
+        (dict(alpha_pattern={"q_proj": -2e39}), r"alpha_pattern\['q_proj'\] = -2e\+39 .* beyond what fp32 holds"),
         (dict(r=8), r"rank is 4 but r = 8"),
         (dict(target_modules="*bad"), "target_modules"),
         (dict(target_modules=r".*q_proj", layers_to_transform=[0]), "layers_to_transform"),
