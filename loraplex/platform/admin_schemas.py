@@ -12,6 +12,15 @@ from loraplex.engine.sampling_params import PRIORITY_MAX, PRIORITY_MIN
 from loraplex.platform.models import ApiKey, Quota, Tenant, UsageDaily
 
 MAX_WEIGHT = 1e6
+# A weight's floor, as far below 1 as MAX_WEIGHT is above it: the fair-share counter grows by tokens / weight,
+# and a weight of 1e-320 took every active tenant's counter to +inf (a returning tenant starts level with
+# the least-served one), which turned fair ordering off.
+MIN_WEIGHT = 1e-6
+# The largest integer a database column holds (SQLite's INTEGER, PostgreSQL's BIGINT): a larger count, id or
+# offset is refused with a 400 naming it instead of overflowing in the driver as a 500.
+MAX_INT = 2**63 - 1
+# expires_in_s: a century, well inside datetime's range (a larger value overflowed it as a 500)
+MAX_EXPIRES_IN_S = 100 * 365 * 86400
 
 
 class QuotaIn(BaseModel):
@@ -21,14 +30,14 @@ class QuotaIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    rpm: int | None = Field(None, ge=0, description="requests per minute")
-    tpm: int | None = Field(None, ge=0, description="tokens per minute (prompt + max_tokens reserved)")
-    max_concurrent_requests: int | None = Field(None, ge=0)
-    token_budget: int | None = Field(None, ge=0, description="tokens per budget_period")
+    rpm: int | None = Field(None, ge=0, le=MAX_INT, description="requests per minute")
+    tpm: int | None = Field(None, ge=0, le=MAX_INT, description="tokens per minute (prompt + max_tokens reserved)")
+    max_concurrent_requests: int | None = Field(None, ge=0, le=MAX_INT)
+    token_budget: int | None = Field(None, ge=0, le=MAX_INT, description="tokens per budget_period")
     budget_period: Literal["day", "week", "month"] = "month"
-    max_adapters: int | None = Field(None, ge=0)
-    max_adapter_bytes: int | None = Field(None, ge=0)
-    weight: float = Field(1.0, gt=0, le=MAX_WEIGHT, allow_inf_nan=False,
+    max_adapters: int | None = Field(None, ge=0, le=MAX_INT)
+    max_adapter_bytes: int | None = Field(None, ge=0, le=MAX_INT)
+    weight: float = Field(1.0, ge=MIN_WEIGHT, le=MAX_WEIGHT, allow_inf_nan=False,
                           description="fair-share weight: the tenant's share of the engine against others")
     priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX, description="default priority (lower runs first)")
     min_priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX,
@@ -53,7 +62,7 @@ class KeyIn(BaseModel):
 
     name: str = Field("", max_length=128)
     expires_at: dt.datetime | None = Field(None, description="UTC; or give expires_in_s")
-    expires_in_s: int | None = Field(None, gt=0)
+    expires_in_s: int | None = Field(None, gt=0, le=MAX_EXPIRES_IN_S)
 
     @model_validator(mode="after")
     def _one_expiry(self):

@@ -38,6 +38,7 @@ NOTICES = {
     "tenant-deleted": "Tenant deleted: its keys are refused, its adapters unloaded; its usage history stays.",
 }
 QUOTA_NUMBERS = ("rpm", "tpm", "max_concurrent_requests", "token_budget", "max_adapters", "max_adapter_bytes")
+MAX_PAGE = 2**31  # far past any table's last page; a larger one would overflow the query's offset
 SCHEDULING_FIELDS = ("weight", "priority", "min_priority")  # never null: a blank one stays as it is
 
 
@@ -53,10 +54,12 @@ def describe(exc: ValidationError) -> str:
 
 
 def int_param(request: Request, name: str) -> int:
+    """A page number from the query string: 1 where it is missing, not a number or out of range."""
     try:
-        return int(request.query_params.get(name, 1))
+        value = int(request.query_params.get(name, 1))
     except ValueError:
         return 1
+    return value if 1 <= value <= MAX_PAGE else 1
 
 
 # overview ---------------------------------------------------------------------------------------
@@ -159,7 +162,7 @@ async def tenant_page(request: Request, gw: Gateway, op: SignedIn, tenant_id: in
 
 
 @router.get("/ui/tenants/{tenant_id}")
-async def tenant(request: Request, tenant_id: int, gw: GatewayDep, op: Operator) -> Response:
+async def tenant(request: Request, tenant_id: admin.RowId, gw: GatewayDep, op: Operator) -> Response:
     return await tenant_page(request, gw, op, tenant_id)
 
 
@@ -177,7 +180,7 @@ def parse_quota(form) -> dict:
 
 
 @router.post("/ui/tenants/{tenant_id}/quota")
-async def save_quota(request: Request, tenant_id: int, gw: GatewayDep, op: Operator) -> Response:
+async def save_quota(request: Request, tenant_id: admin.RowId, gw: GatewayDep, op: Operator) -> Response:
     form = await request.form()
     check_csrf(op.csrf_token, form)
     values = parse_quota(form)
@@ -196,7 +199,7 @@ async def save_quota(request: Request, tenant_id: int, gw: GatewayDep, op: Opera
 
 
 @router.post("/ui/tenants/{tenant_id}/keys")
-async def issue_key(request: Request, tenant_id: int, gw: GatewayDep, op: Operator) -> Response:
+async def issue_key(request: Request, tenant_id: admin.RowId, gw: GatewayDep, op: Operator) -> Response:
     """Answers with the page itself (not a redirect): the new key is in this response only."""
     form = await request.form()
     check_csrf(op.csrf_token, form)
@@ -216,7 +219,7 @@ async def issue_key(request: Request, tenant_id: int, gw: GatewayDep, op: Operat
 
 
 @router.post("/ui/tenants/{tenant_id}/keys/{key_id}/revoke")
-async def revoke_key(request: Request, tenant_id: int, key_id: int, gw: GatewayDep, op: Operator) -> Response:
+async def revoke_key(request: Request, tenant_id: admin.RowId, key_id: admin.RowId, gw: GatewayDep, op: Operator) -> Response:
     check_csrf(op.csrf_token, await request.form())
 
     def revoke() -> None:
@@ -231,14 +234,14 @@ async def revoke_key(request: Request, tenant_id: int, key_id: int, gw: GatewayD
 
 
 @router.post("/ui/tenants/{tenant_id}/adapters/{name}/delete")
-async def delete_adapter(request: Request, tenant_id: int, name: str, gw: GatewayDep, op: Operator) -> Response:
+async def delete_adapter(request: Request, tenant_id: admin.RowId, name: str, gw: GatewayDep, op: Operator) -> Response:
     check_csrf(op.csrf_token, await request.form())
     await admin.delete_adapter(tenant_id, name, gw.adapters, None)
     return redirect(f"/admin/ui/tenants/{tenant_id}?notice=adapter-deleted")
 
 
 @router.post("/ui/tenants/{tenant_id}/delete")
-async def delete_tenant(request: Request, tenant_id: int, gw: GatewayDep, op: Operator) -> Response:
+async def delete_tenant(request: Request, tenant_id: admin.RowId, gw: GatewayDep, op: Operator) -> Response:
     check_csrf(op.csrf_token, await request.form())
     await admin.delete_tenant(tenant_id, gw.sessions, gw.adapters, None)
     return redirect("/admin?notice=tenant-deleted")

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Path, Query
 from sqlalchemy.exc import IntegrityError
 
 from loraplex.platform import crud
 from loraplex.platform.admin_schemas import (
+    MAX_INT,
     EngineOut,
     KeyCreated,
     KeyIn,
@@ -46,7 +48,9 @@ from loraplex.platform.openai_responses import AdapterCard, Deleted
 from loraplex.platform.tenant_adapters import adapter_card
 
 router = APIRouter(prefix="/admin", tags=["admin"])
-Offset = Query(0, ge=0)
+Offset = Query(0, ge=0, le=MAX_INT)
+# A row id in a path: past MAX_INT no row has it, and the driver would overflow (a 500) looking for it
+RowId = Annotated[int, Path(le=MAX_INT)]
 Limit = Query(100, ge=1, le=1000)
 
 
@@ -76,12 +80,12 @@ def list_tenants(session: SessionDep, _: AdminKey, offset: int = Offset, limit: 
 
 
 @router.get("/tenants/{tenant_id}")
-def get_tenant(tenant_id: int, session: SessionDep, _: AdminKey) -> TenantOut:
+def get_tenant(tenant_id: RowId, session: SessionDep, _: AdminKey) -> TenantOut:
     return tenant_out(_tenant(session, tenant_id))
 
 
 @router.patch("/tenants/{tenant_id}")
-def update_tenant(tenant_id: int, body: TenantPatch, session: SessionDep, _: AdminKey) -> TenantOut:
+def update_tenant(tenant_id: RowId, body: TenantPatch, session: SessionDep, _: AdminKey) -> TenantOut:
     tenant = _tenant(session, tenant_id)
     tenant.name = body.name
     try:
@@ -92,7 +96,7 @@ def update_tenant(tenant_id: int, body: TenantPatch, session: SessionDep, _: Adm
 
 
 @router.delete("/tenants/{tenant_id}")
-async def delete_tenant(tenant_id: int, sessions: SessionsDep, adapters: TenantAdaptersDep, _: AdminKey) -> Deleted:
+async def delete_tenant(tenant_id: RowId, sessions: SessionsDep, adapters: TenantAdaptersDep, _: AdminKey) -> Deleted:
     """Revokes its keys at once (they are deleted), unloads its adapters, keeps its usage history."""
 
     def names() -> list[str]:
@@ -112,12 +116,12 @@ async def delete_tenant(tenant_id: int, sessions: SessionsDep, adapters: TenantA
 
 # quotas -----------------------------------------------------------------------------------------
 @router.get("/tenants/{tenant_id}/quota")
-def get_quota(tenant_id: int, session: SessionDep, _: AdminKey) -> QuotaOut:
+def get_quota(tenant_id: RowId, session: SessionDep, _: AdminKey) -> QuotaOut:
     return quota_out(_tenant(session, tenant_id).quota)
 
 
 @router.patch("/tenants/{tenant_id}/quota")
-def set_quota(tenant_id: int, body: QuotaIn, session: SessionDep, _: AdminKey) -> QuotaOut:
+def set_quota(tenant_id: RowId, body: QuotaIn, session: SessionDep, _: AdminKey) -> QuotaOut:
     """Set the given quota fields (null: unlimited); effective for the tenant's next request."""
     quota = crud.update_quota(session, _tenant(session, tenant_id), body.model_dump(exclude_unset=True))
     session.commit()
@@ -126,7 +130,7 @@ def set_quota(tenant_id: int, body: QuotaIn, session: SessionDep, _: AdminKey) -
 
 # keys -------------------------------------------------------------------------------------------
 @router.post("/tenants/{tenant_id}/keys", status_code=201)
-def issue_key(tenant_id: int, body: KeyIn, session: SessionDep, _: AdminKey) -> KeyCreated:
+def issue_key(tenant_id: RowId, body: KeyIn, session: SessionDep, _: AdminKey) -> KeyCreated:
     """The key is in this response only; the server keeps its hash."""
     row, key = crud.issue_key(session, _tenant(session, tenant_id), body.name, body.expiry(utcnow()))
     session.commit()
@@ -134,13 +138,13 @@ def issue_key(tenant_id: int, body: KeyIn, session: SessionDep, _: AdminKey) -> 
 
 
 @router.get("/tenants/{tenant_id}/keys")
-def list_keys(tenant_id: int, session: SessionDep, _: AdminKey) -> ObjectList[KeyOut]:
+def list_keys(tenant_id: RowId, session: SessionDep, _: AdminKey) -> ObjectList[KeyOut]:
     _tenant(session, tenant_id)
     return ObjectList(data=[key_out(k) for k in crud.list_keys(session, tenant_id)])
 
 
 @router.delete("/keys/{key_id}")
-def revoke_key(key_id: int, session: SessionDep, _: AdminKey) -> KeyOut:
+def revoke_key(key_id: RowId, session: SessionDep, _: AdminKey) -> KeyOut:
     row = session.get(ApiKey, key_id)
     if row is None:
         raise not_found(f"Key {key_id} does not exist.", param="key_id")
@@ -151,20 +155,20 @@ def revoke_key(key_id: int, session: SessionDep, _: AdminKey) -> KeyOut:
 
 # adapters ---------------------------------------------------------------------------------------
 @router.get("/tenants/{tenant_id}/adapters")
-def list_adapters(tenant_id: int, engine: EngineDep, session: SessionDep, _: AdminKey) -> ObjectList[AdapterCard]:
+def list_adapters(tenant_id: RowId, engine: EngineDep, session: SessionDep, _: AdminKey) -> ObjectList[AdapterCard]:
     rows = crud.list_adapters(session, _tenant(session, tenant_id).id)
     return ObjectList(data=[adapter_card(engine.model_id, r) for r in rows])
 
 
 @router.delete("/tenants/{tenant_id}/adapters/{name}")
-async def delete_adapter(tenant_id: int, name: str, adapters: TenantAdaptersDep, _: AdminKey) -> Deleted:
+async def delete_adapter(tenant_id: RowId, name: str, adapters: TenantAdaptersDep, _: AdminKey) -> Deleted:
     await adapters.delete(tenant_id, name)
     return Deleted(id=name, object="adapter")
 
 
 # usage and engine -------------------------------------------------------------------------------
 @router.get("/usage")
-def usage(session: SessionDep, _: AdminKey, tenant_id: int | None = None, adapter: str | None = None,
+def usage(session: SessionDep, _: AdminKey, tenant_id: Annotated[int | None, Query(le=MAX_INT)] = None, adapter: str | None = None,
           start: dt.date | None = None, end: dt.date | None = None, offset: int = Offset,
           limit: int = Limit) -> Page[UsageOut]:
     """Requests and tokens per tenant, adapter ("" or null: the base model) and UTC day, newest first."""

@@ -58,9 +58,31 @@ def test_quota_read_and_set(admin, make_tenant):
     assert (q["weight"], q["priority"], q["min_priority"], q["rpm"]) == (4.0, 2, -5, 7)
     assert admin.get(f"/admin/tenants/{t.id}").json()["quota"]["weight"] == 4.0
     for bad in ({"rpm": -1}, {"budget_period": "year"}, {"nope": 1}, {"weight": 0}, {"weight": None},
-                {"priority": 2**31}, {"min_priority": "high"}):
+                {"priority": 2**31}, {"min_priority": "high"}, {"weight": 1e-320}, {"weight": 9e-7},
+                {"rpm": 10**30}, {"max_adapter_bytes": 2**70}, {"token_budget": 2**63}):
         r = admin.patch(f"/admin/tenants/{t.id}/quota", json=bad)
-        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(bad))
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(bad)), (bad, r.text)
+    q = admin.patch(f"/admin/tenants/{t.id}/quota", json={"weight": 1e-6, "token_budget": 2**63 - 1}).json()
+    assert (q["weight"], q["token_budget"]) == (1e-6, 2**63 - 1)  # the bounds themselves are taken
+
+
+def test_numbers_past_the_database_range_are_refused_not_500(admin, make_tenant):
+    """Ids, offsets and durations past what the database or datetime holds: 400 naming the field, and the
+    connection stays usable (a 500 from the driver's overflow used to drop it)."""
+    t, huge = make_tenant(), 10**23
+    for method, url, body, param in (
+        ("GET", f"/admin/tenants/{huge}", None, "tenant_id"),
+        ("DELETE", f"/admin/keys/{huge}", None, "key_id"),
+        ("GET", f"/admin/usage?offset={huge}", None, "offset"),
+        ("GET", f"/admin/usage?tenant_id={huge}", None, "tenant_id"),
+        ("POST", f"/admin/tenants/{t.id}/keys", {"name": "k", "expires_in_s": 10**30}, "expires_in_s"),
+        ("POST", "/admin/tenants", {"name": "q", "quota": {"rpm": 10**30}}, "quota.rpm"),
+    ):
+        r = admin.request(method, url, json=body)
+        assert r.status_code == 400, (url, r.text)
+        assert r.json()["error"]["param"] == param, (url, r.text)
+    assert admin.get(f"/admin/tenants/{2**63 - 1}").status_code == 404  # in range, no such row
+    assert admin.get(f"/admin/tenants/{t.id}").status_code == 200  # the same connection, still served
 
 
 def test_admin_api_refuses_tenant_keys(make_tenant):
