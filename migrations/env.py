@@ -40,10 +40,23 @@ def run_migrations_online() -> None:
     engine = make_engine(_url())
     try:
         with engine.connect() as connection:
+            sqlite = connection.dialect.name == "sqlite"
+            if sqlite:
+                # SQLite alters a table by copying it and dropping the old one; with foreign keys enforced,
+                # dropping a parent (tenants) deletes its children by their ON DELETE CASCADE. SQLite's
+                # procedure for such changes turns them off first (outside a transaction, where the pragma
+                # takes effect: nothing has run on this connection yet) and checks them after.
+                connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
+                connection.commit()  # ends the transaction SQLAlchemy began for it, so that Alembic's own commits
             # render_as_batch: SQLite alters tables by copying them; the same scripts run on PostgreSQL.
             context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True)
             with context.begin_transaction():
                 context.run_migrations()
+            if sqlite:
+                broken = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+                connection.exec_driver_sql("PRAGMA foreign_keys=ON")
+                if broken:
+                    raise RuntimeError(f"the migrations left rows whose foreign keys point nowhere: {broken[:5]}")
     finally:
         engine.dispose()
 

@@ -37,6 +37,9 @@ class Base(DeclarativeBase):
 
 class Tenant(Base):
     __tablename__ = "tenants"
+    # ids are never reused (SQLite otherwise hands a deleted tenant's id to the next one, which then
+    # inherited its usage, budget and rate-limit state; PostgreSQL's sequences never reuse): migration 0004
+    __table_args__ = {"sqlite_autoincrement": True}
 
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(64), unique=True)
@@ -51,6 +54,7 @@ class ApiKey(Base):
     """role "admin" (tenant_id NULL) or "tenant". The key itself is never stored, only its sha256."""
 
     __tablename__ = "api_keys"
+    __table_args__ = {"sqlite_autoincrement": True}  # as tenants': usage rows name the key's id
 
     id: Mapped[int] = mapped_column(primary_key=True)
     tenant_id: Mapped[int | None] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)

@@ -31,6 +31,9 @@ def test_tenant_lifecycle(admin, make_tenant):
     import httpx
 
     assert httpx.get(str(admin.base_url) + "/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 401
+    # the id of the tenant deleted last is not the next tenant's (SQLite reused it, with its usage and limits)
+    after = admin.post("/admin/tenants", json={"name": "after-co"}).json()
+    assert after["id"] > tid
 
 
 def test_keys_are_shown_once(admin, make_tenant):
