@@ -34,10 +34,21 @@ USED_IDS = {
 }
 
 
+def _sqlite_online() -> bool:
+    """True on a live SQLite connection; raises for SQLite SQL scripts (offline mode), since the rebuild
+    reflects the tables and reads their largest ids."""
+    if op.get_context().dialect.name != "sqlite":
+        return False
+    if op.get_context().as_sql:
+        raise RuntimeError("migration 0004 rebuilds tables on SQLite and needs a live database: run it online "
+                           "(`loraplex serve` does, on every start), not as an SQL script")
+    return True
+
+
 def upgrade() -> None:
-    bind = op.get_bind()
-    if bind.dialect.name != "sqlite":
+    if not _sqlite_online():
         return
+    bind = op.get_bind()
     for table, used in USED_IDS.items():
         with op.batch_alter_table(table, recreate="always", table_kwargs={"sqlite_autoincrement": True}):
             pass
@@ -47,8 +58,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    bind = op.get_bind()
-    if bind.dialect.name != "sqlite":
+    if not _sqlite_online():
         return
     for table in USED_IDS:
         with op.batch_alter_table(table, recreate="always"):

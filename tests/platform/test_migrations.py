@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect
@@ -69,4 +70,50 @@ def test_ids_of_deleted_tenants_and_keys_are_never_reused(tmp_path):
                              "VALUES (1, 'tenant', '', ?, 'lpx-', ?)", ("e" * 64, now))
         assert _ids(conn, "tenants") == [1, 2, 5]  # not 4, deleted last
         assert _ids(conn, "api_keys") == [11, 12, 14]  # not 13, deleted last
+    engine.dispose()
+
+
+def test_a_failed_migration_rolls_back_whole_and_the_next_start_completes_it(tmp_path):
+    """SQLite runs every pending migration in one transaction, DDL included: when 0004's second rebuild
+    fails (here a table in its way), the first one is rolled back too, no `_alembic_tmp_*` table is left,
+    the version stays 0003, and once the obstacle is gone the next start migrates."""
+    url = f"sqlite:///{tmp_path / 'm.db'}"
+    db.upgrade(url, "0003")
+    engine = db.make_engine(url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("INSERT INTO tenants (id, name, created_at) VALUES (1, 'a', '2026-12-07 00:00:00')")
+        conn.exec_driver_sql("CREATE TABLE _alembic_tmp_api_keys (x INTEGER)")  # in the second rebuild's way
+    with pytest.raises(Exception, match="_alembic_tmp_api_keys"):
+        db.upgrade(url)
+    with engine.begin() as conn:
+        assert conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar() == "0003"
+        tables = {r[0] for r in conn.exec_driver_sql("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        assert "_alembic_tmp_tenants" not in tables
+        assert "AUTOINCREMENT" not in conn.exec_driver_sql(
+            "SELECT sql FROM sqlite_master WHERE name = 'tenants'").scalar()  # the first rebuild undone
+        assert _ids(conn, "tenants") == [1]
+        conn.exec_driver_sql("DROP TABLE _alembic_tmp_api_keys")
+    db.upgrade(url)
+    with engine.begin() as conn:
+        assert conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar() == "0004"
+        assert _ids(conn, "tenants") == [1]
+    engine.dispose()
+
+
+def test_rows_orphaned_before_do_not_stop_a_start(tmp_path):
+    """The foreign-key check after the migrations counts only what they broke: a row orphaned outside the
+    gateway (the sqlite3 shell enforces no foreign keys) neither stops 0004 nor a later start."""
+    url = f"sqlite:///{tmp_path / 'm.db'}"
+    db.upgrade(url, "0003")
+    engine = db.make_engine(url)
+    with engine.connect() as conn:
+        raw = conn.connection.dbapi_connection
+        raw.execute("PRAGMA foreign_keys=OFF")
+        raw.execute("INSERT INTO quotas (tenant_id, budget_period) VALUES (42, 'month')")  # no tenant 42
+        raw.commit()
+    db.upgrade(url)
+    db.upgrade(url)
+    with engine.begin() as conn:
+        assert conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar() == "0004"
+        assert len(conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()) == 1
     engine.dispose()
