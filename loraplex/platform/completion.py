@@ -303,7 +303,7 @@ def sampling_params(vocab: int, body: ChatCompletionRequest | CompletionRequest,
                                body.temperature, top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k,
                                seed=None if body.seed is None else (body.seed + j + 2**63) % 2**64 - 2**63,
                                stop=body.stop,
-                               stop_token_ids=stop_token_ids, ignore_eos=body.ignore_eos, priority=priority,
+                               stop_token_ids=stop_token_ids, ignore_eos=bool(body.ignore_eos), priority=priority,
                                logprobs=body.num_logprobs, json_schema=body.json_schema)
                 for _ in range(num_prompts) for j in range(body.n)]
     except ParamError as e:

@@ -24,6 +24,7 @@ from pydantic import (
     StrictInt,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from loraplex.engine.sampling_params import (
@@ -88,10 +89,16 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
-    @field_validator("content")
+    @field_validator("content", "name")
     @classmethod
     def _content(cls, v):
         return check_text(v, "messages") if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _needs_content(self):
+        if self.content is None and self.role != "assistant":  # OpenAI: only an assistant turn may omit it
+            raise ValueError(f"a {self.role} message needs `content`")
+        return self
 
     def as_template_message(self) -> dict:
         if isinstance(self.content, list):
@@ -111,7 +118,8 @@ class SamplingFields(BaseModel):
     temperature: StrictFloat | None = None
     top_p: StrictFloat | None = None
     top_k: StrictInt | None = Field(None, description="vLLM extension: -1 or 0 keep every token, else 1..vocab size")
-    ignore_eos: StrictBool = Field(False, description="vLLM extension: EOS does not stop, generate max_tokens")
+    ignore_eos: StrictBool | None = Field(None, description="vLLM extension: EOS does not stop, generate max_tokens "
+                                          "(null: false, as every optional field's null is its default)")
     n: StrictInt | None = Field(1, description="choices per prompt, 1..LORAPLEX_MAX_N (null: 1)")
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = Field(None, description="vLLM extension: token ids that end a choice")

@@ -67,6 +67,11 @@ def error_of(r, status: int = 400) -> dict:
     ({"stop": "\ud800"}, "stop", "stop contains a lone UTF-16 surrogate ('\\ud800' at index 0), which is not valid Unicode"),
     ({"messages": [{"role": "user", "content": "a\udfffb"}]}, "messages.0.content",
      "messages contains a lone UTF-16 surrogate ('\\udfff' at index 1), which is not valid Unicode"),
+    ({"messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}, "messages.0.name",
+     "messages contains a lone UTF-16 surrogate ('\\ud800' at index 0), which is not valid Unicode"),
+    ({"messages": [{"role": "user"}]}, "messages.0", "messages.0: a user message needs `content`"),
+    ({"messages": [{"role": "system", "content": None}, {"role": "user", "content": "hi"}]}, "messages.0",
+     "messages.0: a system message needs `content`"),
 ])
 def test_chat_refusals_name_the_field_and_the_range(make_tenant, body, param, message):
     t = make_tenant()
@@ -82,6 +87,8 @@ def test_chat_refusals_name_the_field_and_the_range(make_tenant, body, param, me
 def test_neutral_values_of_unsupported_fields_are_accepted(make_tenant):
     t = make_tenant()
     body = {**CHAT, "temperature": 0, "n": None, "top_k": 0, "logit_bias": {}, "frequency_penalty": 0, "tools": [],
+            "ignore_eos": None, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant"},
+                                             {"role": "user", "content": "again", "name": "ann"}],
             "tool_choice": "none", "logprobs": False, "response_format": {"type": "text"}, "seed": -(2**63),
             "stop_token_ids": [VOCAB - 1], "unknown_field": 1}
     r = t.client.post("/v1/chat/completions", json=body)
