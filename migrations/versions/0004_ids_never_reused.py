@@ -5,8 +5,8 @@ tenant deleted last went to the next tenant created, which inherited what is key
 the row: usage records and daily totals (its token budget), rate-limit windows, prefix cache entries.
 PostgreSQL's sequences never reuse an id, so this changes SQLite only: both tables are rebuilt with
 AUTOINCREMENT (env.py turns foreign keys off while a parent is rebuilt), and the sequence starts past
-every id the usage tables still name, so ids of tenants and keys deleted before this migration are not
-reissued either.
+every id the usage tables still name, so a tenant or key deleted before this migration whose usage stays
+is not reissued either (an id that nothing names any more may be, once: nothing is left to inherit).
 
 Revision ID: 0004
 Revises: 0003
