@@ -150,7 +150,8 @@ async def _validation_error(_request: Request, exc: RequestValidationError) -> J
     else:
         message = _message(first)
         top = param.split(".")[0] if param else None
-        if top and top not in message:
+        # as a word: "n" is in "Input should be a valid integer", but that message does not name it
+        if top and not re.search(rf"(?<!\w){re.escape(top)}(?!\w)", message):
             message = f"{param}: {message}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"

@@ -58,6 +58,8 @@ def error_of(r, status: int = 400) -> dict:
     ({"priority": -1}, "priority", "priority -1 is more urgent than this tenant may ask for: the lowest allowed is "
                                    "0 (an admin sets it: quota.min_priority)."),
     ({"priority": 1.5}, "priority", "priority: Input should be a valid integer"),
+    ({"n": "2"}, "n", "n: Input should be a valid integer"),  # "n" is a letter of the message, not its name
+    ({"n": 2.5}, "n", "n: Input should be a valid integer"),
     # types are strict, as OpenAI's: no string or boolean stands in for a number, no number for a boolean
     ({"temperature": "1"}, "temperature", "temperature: Input should be a valid number"),
     ({"max_tokens": True}, "max_tokens", "max_tokens: Input should be a valid integer"),
