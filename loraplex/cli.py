@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--port", type=int, help="default LORAPLEX_PORT or 8000")
     srv.add_argument("--model", help="default LORAPLEX_MODEL or smollm2-135m-instruct")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    scale = srv.add_argument_group("scale-out on Ray Serve (pip install 'loraplex[ray]'; docs/scale-out.md)")
+    scale = srv.add_argument_group("scale-out on Ray Serve (its extra: pip install -e '.[ray]' in the checkout; docs/scale-out.md)")
     scale.add_argument("--replicas", type=int, metavar="N", help="run N engine replicas on Ray Serve")
     scale.add_argument("--ingresses", type=int, metavar="M", help="gateway processes in front of them (default 1)")
     scale.add_argument("--ray-address", help="an existing Ray cluster (default RAY_ADDRESS, else a local instance)")

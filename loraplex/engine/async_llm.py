@@ -137,6 +137,11 @@ class AsyncLLM:
         """Run `fn(*args)` on the engine thread (e.g. `engine.adapters.register`), returning its result."""
         return await self._call(fn, *args)
 
+    def is_alive(self) -> bool:
+        """False once the step loop's own thread has ended (it never ends on a failed command or step, only
+        at `shutdown`); True where the caller runs the loop (start=False)."""
+        return self._thread is None or self._thread.is_alive()
+
     def shutdown(self) -> None:
         """Stop the step loop (a `run()` returns); waits up to 10 s for the loop's own thread, if any."""
         self._commands.put(None)

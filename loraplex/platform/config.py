@@ -83,6 +83,11 @@ class Settings(BaseSettings):
     # scale-out (`--replicas`): a call stays on a replica holding its adapter unless that replica has this
     # many more requests ongoing than the least loaded one (scaleout/router.py)
     affinity_slack: int = Field(8, ge=0)
+    # how long an ingress waits for a replica to accept a call before it tries another (3 tries, then 503
+    # replica_unavailable), and for the next item of a running call's stream (the replica sends one at
+    # least every quarter of it) before it ends the call with 503 replica_unavailable (scaleout/client.py)
+    replica_accept_timeout_s: float = Field(10.0, gt=0)
+    replica_stall_timeout_s: float = Field(30.0, gt=0)
 
     shutdown_grace_s: float = Field(25.0, ge=0)  # SIGTERM: running requests get this long to finish (serve.py)
 

@@ -48,6 +48,11 @@ class EngineClient:
     async def start(self) -> None:
         """Ready for the routes (the in-process engine is, once built; `RayEngineClient` asks a replica)."""
 
+    async def unavailable(self) -> str | None:
+        """Why no call can run now (GET /health answers 503 with it), or None: here, the step loop's thread
+        has ended (it only does at shutdown)."""
+        return None if self.llm.is_alive() else "the engine's step loop has stopped"
+
     # adapters -----------------------------------------------------------------------------------
     def hold(self, name: str) -> None:
         """Count a request on `name` from the moment it is resolved; `remove_adapter` waits for it."""

@@ -248,7 +248,7 @@ def test_async_engine_survives_callers_cancelled_mid_request():
                 await task
             except asyncio.CancelledError:
                 pass
-        assert engine._thread.is_alive()
+        assert engine._thread.is_alive() and engine.is_alive()
         outs = [d async for d in engine.generate([4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True))]
         assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 3
         bm = engine.engine.block_manager
@@ -258,6 +258,7 @@ def test_async_engine_survives_callers_cancelled_mid_request():
             await asyncio.sleep(0.01)
         assert not engine.engine.requests and bm.num_free_blocks == bm.num_blocks
         engine.shutdown()
+        assert not engine.is_alive()  # what /health and a scale-out replica's health check read
 
     asyncio.run(main())
 

@@ -28,6 +28,11 @@ ROUTERS = ("affinity", "pow2")
 # server_overloaded), and only past these does Serve queue (then BackPressureError, also a 503).
 MAX_ONGOING_PER_REPLICA = 1024
 MAX_QUEUED_PER_HANDLE = 256
+# Serve's health checks of an engine replica (`EngineReplica.check_health`), tighter than Serve's 10 s /
+# 30 s: a hung replica is replaced in about a minute (Serve gives up on it after 3 failed checks in a
+# row); its calls end sooner, at the ingress's replica_stall_timeout_s.
+HEALTH_CHECK_PERIOD_S = 5.0
+HEALTH_CHECK_TIMEOUT_S = 10.0
 
 
 def check_shared_state(settings: Settings, num_replicas: int, num_ingresses: int) -> None:
@@ -53,7 +58,9 @@ class Ingress:
         from loraplex.platform.main import create_app
         from loraplex.platform.scaleout.client import RayEngineClient
 
-        client = RayEngineClient(self.engine, self.settings.model_id)
+        client = RayEngineClient(self.engine, self.settings.model_id,
+                                 accept_timeout_s=self.settings.replica_accept_timeout_s,
+                                 stall_timeout_s=self.settings.replica_stall_timeout_s)
         await client.start()
         return create_app(self.settings, client, migrate=False)
 
@@ -74,6 +81,7 @@ def build_app(settings: Settings, num_replicas: int, num_ingresses: int = 1, rou
     values = settings.model_dump()
     engine_options = dict(name=ENGINE_DEPLOYMENT, num_replicas=num_replicas,
                           max_ongoing_requests=MAX_ONGOING_PER_REPLICA, max_queued_requests=MAX_QUEUED_PER_HANDLE,
+                          health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
                           ray_actor_options={"num_cpus": replica_cpus})
     # what a replica reports as held: its host cache (adapter slots are a subset), or without a limit on
     # that, its slots and the host cache's most recent ones
@@ -97,7 +105,7 @@ def start(settings: Settings, num_replicas: int, num_ingresses: int = 1, router:
         import ray
         from ray import serve
     except ImportError:
-        raise ValueError("--replicas runs on Ray Serve, which is not installed: pip install 'loraplex[ray]'") from None
+        raise ValueError("--replicas runs on Ray Serve, which is not installed: pip install -e '.[ray]' in the checkout") from None
     prepare_storage(settings)
     if not ray.is_initialized():
         ray.init(address=ray_address, logging_level=logging.WARNING)

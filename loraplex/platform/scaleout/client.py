@@ -9,13 +9,18 @@ sink on the event loop, one hand-off per replica step as in one process.
 Faults, as the routes answer them:
 - the replica refuses the call: EngineOverloadedError (503 `server_overloaded`) or ValueError (400);
 - Serve's queue in front of the replicas is full (`BackPressureError`): EngineOverloadedError;
-- the replica is gone before it accepts the call: tried on another replica, up to `SUBMIT_ATTEMPTS`
-  times, then 503 `replica_unavailable`; nothing ran, so nothing is charged;
-- the replica dies while it runs the call: each unfinished request ends with finish reason "abort" and
-  an error starting with `REPLICA_LOST` (503 `replica_unavailable` with retry-after, or an SSE error
-  event once streaming), and its usage is recorded as every other ended request's is.
+- the replica is gone before it accepts the call, or does not accept it within `accept_timeout_s` (hung,
+  or none running while Serve starts one): tried on another replica, up to `SUBMIT_ATTEMPTS` times, then
+  503 `replica_unavailable`, at once when Serve has no replica running; nothing ran, so nothing is charged;
+- the replica dies while it runs the call, or its stream stays silent for `stall_timeout_s` (a replica
+  sends a heartbeat at least every quarter of it, so silence means hung), or ends before the call's
+  requests did: each unfinished request ends with finish reason "abort" and an error starting with
+  `REPLICA_LOST` (503 `replica_unavailable` with retry-after, or an SSE error event once streaming), and
+  its usage is recorded as every other ended request's is.
 Cancelling (the client disconnected, `abort_nowait`) cancels the Serve request; the replica aborts the
-engine requests and frees their KV blocks.
+engine requests and frees their KV blocks. Each call names this ingress's actor, so that the replicas
+abort its calls should it die (`replica.EngineReplica`). `stats()` and `compile_schema()` answer 503
+`replica_unavailable` when their replica is lost or silent for `accept_timeout_s`.
 
 What stays per replica: deleting an adapter waits for this ingress's calls on it, and the replicas
 forget it by LRU (no request reaches it again: the gateway answers 404 first). `stats()` is the
@@ -27,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -93,13 +99,18 @@ class RayEngineClient(EngineClient):
     """`EngineClient` whose engine is the replicas behind `handle` (a handle to the `EngineReplica`
     deployment). `start()` must run (on the event loop) before the routes use it."""
 
-    def __init__(self, handle: DeploymentHandle, model_id: str):
+    def __init__(self, handle: DeploymentHandle, model_id: str, *, accept_timeout_s: float = 10.0,
+                 stall_timeout_s: float = 30.0):
         self.llm = None
         self.handle = handle
         self.model_id = model_id
+        self.accept_timeout_s = accept_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self._init_counters()
         self._calls: dict[str, _Call] = {}  # request id -> its call, while it runs
         self._readers: set[asyncio.Task] = set()
+        self._caller = _current_actor()
+        self._status: tuple[float, str | None] = (float("-inf"), None)  # (when, `unavailable()`'s answer)
 
     async def start(self) -> None:
         """Read the model's tokenizer and limits from a replica (they are the same on every one)."""
@@ -119,21 +130,28 @@ class RayEngineClient(EngineClient):
         """Queue one call on a replica, all or none; returns the replica's name and where the adapter was
         there. Raises as the module says."""
         payload = {"prompts": prompts, "params": params, "request_ids": request_ids, "adapter_path": adapter_path,
-                   "adapter_digest": adapter_digest, "tenant_id": tenant_id, "tenant_weight": tenant_weight}
+                   "adapter_digest": adapter_digest, "tenant_id": tenant_id, "tenant_weight": tenant_weight,
+                   "caller": self._caller}
         handle = self.handle.options(stream=True, multiplexed_model_id=adapter or "")
         for attempt in range(1, SUBMIT_ATTEMPTS + 1):
             stream = handle.generate.remote(payload)
             try:
-                first = await stream.__anext__()
+                first = await asyncio.wait_for(stream.__anext__(), self.accept_timeout_s)
                 break
             except asyncio.CancelledError:
                 stream.cancel()
                 raise
             except BackPressureError as e:
                 raise EngineOverloadedError(f"every engine replica's queue is full: {e}") from None
-            except _LOST as e:
-                logger.warning("engine replica lost before it took call %s (attempt %d): %s", request_ids[0],
+            except asyncio.TimeoutError:
+                stream.cancel()  # should the replica take it after all, it aborts it
+                logger.warning("no engine replica accepted call %s within %g s (attempt %d)", request_ids[0],
+                               self.accept_timeout_s, attempt)
+            except (*_LOST, StopAsyncIteration) as e:
+                logger.warning("engine replica lost before it took call %s (attempt %d): %r", request_ids[0],
                                attempt, e)
+            if await self.unavailable() is not None:  # none running: another try would only wait for one
+                raise replica_lost()
         else:
             raise replica_lost()
         status = first[0]
@@ -152,12 +170,26 @@ class RayEngineClient(EngineClient):
     async def _read(self, call: _Call, sink, adapter: str | None) -> None:
         error = None
         try:
-            async for wire in call.stream:
+            while True:
+                try:
+                    wire = await asyncio.wait_for(call.stream.__anext__(), self.stall_timeout_s)
+                except StopAsyncIteration:
+                    break
+                if not wire:  # the replica's heartbeat
+                    continue
                 outs = [call.running[w.request_id].output(w, adapter) for w in wire]
                 for out in outs:
                     if out.finished:
                         del call.running[out.request_id]
                 sink(outs)
+            if call.running and not call.is_cancelled:
+                logger.warning("engine replica's stream ended before %d request(s) did", len(call.running))
+                error = f"{REPLICA_LOST}: its stream ended early"
+        except asyncio.TimeoutError:
+            logger.warning("engine replica silent for %g s while running %d request(s); ending them",
+                           self.stall_timeout_s, len(call.running))
+            call.stream.cancel()  # should the replica come back, it aborts them
+            error = f"{REPLICA_LOST}: no output for {self.stall_timeout_s:g} s"
         except Exception as e:  # the replica died, or the stream was cancelled from this side
             if not call.is_cancelled:
                 logger.warning("engine replica lost while running %d request(s): %s", len(call.running), e)
@@ -189,12 +221,40 @@ class RayEngineClient(EngineClient):
         return False
 
     async def stats(self) -> dict:
-        return await self.handle.stats.remote()
+        return await self._ask(self.handle.stats.remote())
 
     async def compile_schema(self, schema: dict) -> None:
-        refused = await self.handle.compile_schema.remote(schema)
+        refused = await self._ask(self.handle.compile_schema.remote(schema))
         if refused is not None:
             raise ParamError(refused[1], refused[0])
+
+    async def _ask(self, response):
+        """The result of one replica call, or 503 `replica_unavailable` if its replica is lost or silent
+        for accept_timeout_s."""
+        try:
+            return await asyncio.wait_for(response, self.accept_timeout_s)
+        except asyncio.TimeoutError:
+            response.cancel()
+            raise replica_lost() from None
+        except _LOST:
+            raise replica_lost() from None
+
+    async def unavailable(self) -> str | None:
+        """"no engine replica is running" while Serve has none RUNNING (all dead or starting), else None;
+        Serve's controller is asked at most once a second (`serve.status`, in a worker thread)."""
+        now = asyncio.get_running_loop().time()
+        when, answer = self._status
+        if now - when < 1.0:
+            return answer
+        try:
+            num = await asyncio.wait_for(asyncio.to_thread(_num_running_replicas), self.accept_timeout_s)
+        except Exception as e:  # the controller is unreachable: say so, a call would fail the same way
+            logger.warning("could not read the engine replicas' status: %r", e)
+            answer = "the Serve controller did not answer"
+        else:
+            answer = None if num else "no engine replica is running"
+        self._status = (asyncio.get_running_loop().time(), answer)
+        return answer
 
     async def remove_adapter(self, name: str, poll_s: float = 0.05) -> None:
         while self.num_running_by_adapter.get(name):
@@ -203,3 +263,22 @@ class RayEngineClient(EngineClient):
     def shutdown(self) -> None:
         for call in {id(c): c for c in self._calls.values()}.values():
             call.cancel()
+
+
+def _current_actor():
+    """This process's actor handle (an ingress replica's), which replicas watch; None outside an actor."""
+    try:
+        return ray.get_runtime_context().current_actor
+    except Exception:  # not an actor (a driver, a test): its calls run to their end if it dies
+        return None
+
+
+def _num_running_replicas() -> int:
+    """Engine replicas in Serve's RUNNING state (blocking: a call to Serve's controller)."""
+    from ray import serve
+
+    from loraplex.platform.scaleout.app import APP_NAME, ENGINE_DEPLOYMENT
+
+    app = serve.status().applications.get(APP_NAME)
+    deployment = app.deployments.get(ENGINE_DEPLOYMENT) if app is not None else None
+    return deployment.replica_states.get("RUNNING", 0) if deployment is not None else 0

@@ -13,9 +13,15 @@ that carry deltas only, so a step costs O(1) per request on the wire as in the e
     ("accepted", replica_name, adapter_tier)  queued; adapter_tier: `AdapterManager.tier` on arrival
     | ("overloaded", message, retry_after_s) | ("invalid", message, param)  refused, nothing queued
     [WireOutput, ...]  one list per engine step, until every request of the call has finished
+    []  a heartbeat: nothing for a quarter of `replica_stall_timeout_s` (the call waits in the queue, or a
+        long step runs), sent so that the ingress can tell this replica from a hung one
 
 A cancelled stream (the ingress's client went away, or it aborted the call) aborts the call's engine
-requests, whose KV blocks are freed at the next step boundary.
+requests, whose KV blocks are freed at the next step boundary. An ingress that dies cancels nothing (Ray
+does not cancel an actor's running calls when their caller dies), so each call names its ingress (the
+`caller` actor handle) and the replica asks Ray, as often as it would send a heartbeat, whether each
+ingress it runs calls for is still there; the calls of one that is gone are aborted, as a disconnected
+client's are.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import NamedTuple
 
 import ray
 from ray import serve
+from ray.exceptions import RayActorError
 
 from loraplex.engine.errors import EngineOverloadedError
 from loraplex.engine.request import RequestOutput
@@ -81,6 +88,16 @@ def engine_replica(max_resident_adapters: int):
 
             self.llm = AsyncLLM(s.model, **kwargs)
             self.name = serve.get_replica_context().replica_id.unique_id
+            self.heartbeat_s = s.replica_stall_timeout_s / 4  # also how often each caller is checked
+            # ingress actor id -> its calls running here (first request id -> the call's unfinished ids)
+            self._callers: dict[object, dict[str, set[str]]] = {}
+            self._watchers: set[asyncio.Task] = set()
+
+        def check_health(self) -> None:
+            """Serve's periodic health check: raises, so that Serve replaces this replica, once the engine's
+            step loop has stopped."""
+            if not self.llm.is_alive():
+                raise RuntimeError("the engine's step loop has stopped")
 
         def info(self) -> dict:
             """What an ingress needs of the model to check calls before it routes them (`RayEngineClient`)."""
@@ -125,16 +142,60 @@ def engine_replica(max_resident_adapters: int):
                 return
             yield ("accepted", self.name, tier)
             running = set(request_ids)
+            calls = self._watch(call.get("caller"))
+            if calls is not None:
+                calls[request_ids[0]] = running
             try:
                 while running:
-                    outs = list(await pending.get())
+                    try:
+                        outs = list(await asyncio.wait_for(pending.get(), self.heartbeat_s))
+                    except asyncio.TimeoutError:
+                        yield []
+                        continue
                     while not pending.empty():  # steps that arrived while the last item was sent
                         outs.extend(pending.get_nowait())
                     running.difference_update(o.request_id for o in outs if o.finished)
                     yield [WireOutput.of(o) for o in outs]
             finally:
+                if calls is not None:
+                    calls.pop(request_ids[0], None)
                 if running:  # cancelled by the ingress
                     self.llm.abort_nowait(*running)
+
+        def _watch(self, caller) -> dict[str, set[str]] | None:
+            """The running calls of ingress `caller` (an actor handle; None: a caller Ray cannot name, left
+            unwatched), with a watcher task for it started on its first call."""
+            if caller is None:
+                return None
+            key = caller._actor_id
+            calls = self._callers.get(key)
+            if calls is None:
+                calls = self._callers[key] = {}
+                task = asyncio.get_running_loop().create_task(self._check_caller(caller, key, calls))
+                self._watchers.add(task)
+                task.add_done_callback(self._watchers.discard)
+            return calls
+
+        async def _check_caller(self, caller, key, calls: dict[str, set[str]]) -> None:
+            """While `caller` has calls here, ask Ray every heartbeat_s whether it is alive; once it is dead,
+            abort its calls (nobody reads them: their clients got the proxy's error)."""
+            try:
+                while True:
+                    await asyncio.sleep(self.heartbeat_s)
+                    if not calls:
+                        return
+                    try:
+                        await caller.__ray_ready__.remote()
+                    except RayActorError:
+                        orphans = [rid for running in calls.values() for rid in running]
+                        logger.warning("ingress %s is gone; aborting its %d request(s) here", key, len(orphans))
+                        self.llm.abort_nowait(*orphans)
+                        return
+                    except Exception as e:  # unreachable for now (restarting, network): ask again later
+                        logger.info("could not reach ingress %s: %s", key, e)
+            finally:
+                if self._callers.get(key) is calls:
+                    del self._callers[key]
 
         def __del__(self):
             llm = getattr(self, "llm", None)

@@ -2,11 +2,13 @@
 behind Serve's HTTP proxy, Redis quotas, one SQLite file, one adapter store (`platform/scaleout`).
 
 The cluster starts once for the module (about 30 s on 2 cores: Ray, then two engines loading); the
-replica-kill test runs last, since it leaves a replica restarting behind it.
+fault tests run last: a hung replica, a dead ingress, then killed replicas.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,6 +23,7 @@ from tests.platform.servers import free_port, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow
 SLACK = 2  # affinity slack of this cluster: small, so that a burst spills to the second replica
+ACCEPT_S, STALL_S = 3.0, 6.0  # the ingresses' replica timeouts here (heartbeats and caller checks: 1.5 s)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +32,8 @@ def cluster(make_settings, redis_server, tmp_path_factory, model_path):
 
     settings = make_settings(redis_url=redis_server.url, port=free_port(), dtype="float32",
                              kv_cache_memory=32 << 20, max_num_seqs=8, max_loras=2, max_num_waiting_seqs=64,
-                             max_queue_wait_s=None, affinity_slack=SLACK)
+                             max_queue_wait_s=None, affinity_slack=SLACK, replica_accept_timeout_s=ACCEPT_S,
+                             replica_stall_timeout_s=STALL_S)
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         scaleout.start(settings, num_replicas=2, num_ingresses=2)
@@ -56,6 +60,41 @@ def replica_of(r: httpx.Response) -> str:
     return r.headers["x-loraplex-replica"]
 
 
+def health_status(base: str) -> int | None:
+    """GET /health's status, or None while the proxy has no ingress to answer it."""
+    try:
+        return httpx.get(base + "/health", timeout=5).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def named_actors(deployment: str) -> list[str]:
+    """Names of the live actors of `deployment`'s replicas."""
+    prefix = f"SERVE_REPLICA::{scaleout.APP_NAME}#{deployment}#"
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+
+
+def engine_actor(replica: str):
+    return ray.get_actor(f"SERVE_REPLICA::{scaleout.APP_NAME}#{scaleout.ENGINE_DEPLOYMENT}#{replica}",
+                         namespace="serve")
+
+
+def unfinished_by_replica() -> dict[str, int]:
+    """Running + waiting requests of the engine replicas that answered, read through a handle of the
+    test's own: asked until both answered or 16 times (its calls go to the less busy replica, so a busy
+    one answers only once the other is as busy)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(scaleout.ENGINE_DEPLOYMENT, scaleout.APP_NAME)
+    seen: dict[str, int] = {}
+    for _ in range(16):
+        stats = handle.stats.remote().result()
+        seen[stats["replica"]] = stats["num_running"] + stats["num_waiting"]
+        if len(seen) == 2:
+            break
+    return seen
+
+
 def test_openai_client_unchanged_and_tokens_match_one_process(cluster, tenant, server, admin):
     """chat, completions, streaming and models through Ray Serve answer exactly what one process does."""
     import openai
@@ -63,6 +102,7 @@ def test_openai_client_unchanged_and_tokens_match_one_process(cluster, tenant, s
     ray_client = openai.OpenAI(base_url=cluster["base"] + "/v1", api_key=tenant.key, max_retries=0)
     one = factories.make_tenant(admin, server.url)
     local_client = openai.OpenAI(base_url=server.url + "/v1", api_key=one.key, max_retries=0)
+    assert httpx.get(cluster["base"] + "/health").json() == {"status": "ok"}
     assert factories.BASE_MODEL in {m.id for m in ray_client.models.list().data}
     assert set("abcd") <= {m.id for m in ray_client.models.list().data}
 
@@ -133,7 +173,6 @@ def test_rpm_is_exact_across_ingresses(cluster):
 
 
 def test_a_client_that_disconnects_aborts_its_request_on_the_replica(cluster, tenant):
-    from ray import serve
 
     model = "b"
     body = {"model": model, "messages": [{"role": "user", "content": "Count to a thousand."}], "max_tokens": 400,
@@ -144,22 +183,89 @@ def test_a_client_that_disconnects_aborts_its_request_on_the_replica(cluster, te
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
-    # A handle of the test's own: its stats calls land on either replica; read the one that streamed.
-    handle = serve.get_deployment_handle(scaleout.ENGINE_DEPLOYMENT, scaleout.APP_NAME)
+    wait_until(lambda: unfinished_by_replica().get(replica) == 0, timeout=20,
+               what="the replica to abort the stream's request")
 
-    def running_on_replica() -> int | None:
-        for _ in range(8):
-            stats = handle.stats.remote().result()
-            if stats["replica"] == replica:
-                return stats["num_running"] + stats["num_waiting"]
-        return None
 
-    wait_until(lambda: running_on_replica() == 0, timeout=20, what="the replica to abort the stream's request")
+def test_a_hung_replica_ends_its_calls_with_503_and_new_calls_go_elsewhere(tenant):
+    """A replica that stops (SIGSTOP) sends nothing, not even its heartbeat: its calls end with 503
+    replica_unavailable after STALL_S, a new call for its adapter is taken by the other replica after at
+    most ACCEPT_S, and once it runs again it aborts the calls the ingress gave up on."""
+    model = "a"
+    victim = replica_of(tenant.chat(model=model, max_tokens=2))
+    pid = ray._private.state.actors(engine_actor(victim)._actor_id.hex())["Pid"]
+    with ThreadPoolExecutor(2) as pool:
+        inflight = [pool.submit(tenant.chat, model=model, max_tokens=300, ignore_eos=True) for _ in range(2)]
+        time.sleep(2.0)  # decoding on the victim
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            stopped = time.monotonic()
+            responses = [f.result() for f in inflight]
+            waited = time.monotonic() - stopped
+            t = time.monotonic()
+            after = tenant.chat(model=model, max_tokens=2)
+            after_s = time.monotonic() - t
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    lost = [r for r in responses if r.status_code != 200]  # a call that spilled to the other replica ends well
+    assert lost and all(r.headers["x-loraplex-replica"] != victim for r in responses if r.status_code == 200)
+    for r in lost:
+        assert r.status_code == 503 and r.json()["error"]["code"] == "replica_unavailable", r.text
+        assert int(r.headers["retry-after"]) >= 1
+    assert STALL_S - 1 <= waited < STALL_S + 10 or len(lost) < len(responses), waited
+    assert replica_of(after) != victim and after_s < ACCEPT_S + 10, after_s
+    wait_until(lambda: unfinished_by_replica().get(victim) == 0, timeout=30,
+               what="the resumed replica to abort the calls given up on")
+
+
+def test_an_ingress_that_dies_has_its_calls_aborted_on_the_replicas(cluster, tenant):
+    """Ray does not cancel a replica's calls when their ingress dies; the replica finds it gone at its next
+    check of the caller (every STALL_S / 4 here) and aborts them, so nothing decodes for nobody. Serve
+    starts new ingresses, which answer as before."""
+    engines = [engine_actor(name.rsplit("#", 1)[1]) for name in named_actors(scaleout.ENGINE_DEPLOYMENT)]
+
+    def ongoing() -> int:  # calls running on the engine replicas, as Serve counts them on each (no routing)
+        return sum(ray.get([a.get_num_ongoing_requests.remote() for a in engines]))
+
+    body = {"model": "b", "messages": [{"role": "user", "content": "Count to a thousand."}], "max_tokens": 600,
+            "ignore_eos": True, "stream": True}
+    clients = [httpx.Client(base_url=cluster["base"], headers={"Authorization": f"Bearer {tenant.key}"},
+                            timeout=60) for _ in range(2)]
+    streams = [c.stream("POST", "/v1/chat/completions", json=body) for c in clients]
+    readers = []  # kept: a line iterator collected early would close its stream (a client that left)
+    try:
+        for s in streams:
+            r = s.__enter__()
+            assert r.status_code == 200, r.read()
+            readers.append(r.iter_lines())
+            for _ in range(3):
+                next(readers[-1])
+        assert ongoing() == 2
+        ingresses = named_actors(scaleout.INGRESS_DEPLOYMENT)
+        assert len(ingresses) == 2, ingresses
+        killed = time.monotonic()
+        for name in ingresses:
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        # 600 tokens take these replicas over 10 s; the check finds the dead ingress within 1.5-3 s
+        wait_until(lambda: ongoing() == 0, timeout=8, what="the replicas to abort the dead ingresses' calls")
+        assert time.monotonic() - killed < 8
+    finally:
+        for s in streams:
+            try:
+                s.__exit__(None, None, None)
+            except httpx.HTTPError:
+                pass
+        for c in clients:
+            c.close()
+    wait_until(lambda: health_status(cluster["base"]) == 200, timeout=60, what="Serve's new ingresses")
+    assert replica_of(tenant.chat(model="b", max_tokens=2))
 
 
 def test_a_killed_replica_ends_its_calls_with_503_and_is_replaced(cluster, tenant):
     """Calls in flight on a replica that dies answer 503 replica_unavailable with retry-after; calls after
-    succeed on a live replica; Ray starts a new replica; usage has one record per call, ok for each 200."""
+    succeed on a live replica; usage has one record per call, ok for each 200. With the other replica
+    killed too, /health answers 503 and a call 503 replica_unavailable after one accept timeout (none
+    hangs) until Serve's new replicas run."""
     from ray import serve
     from sqlalchemy import create_engine, text
 
@@ -191,11 +297,26 @@ def test_a_killed_replica_ends_its_calls_with_503_and_is_replaced(cluster, tenan
     assert all(r.status_code == 200 for r in after), [r.text for r in after]
     assert all(r.headers["x-loraplex-replica"] != victim for r in after)
 
+    # the survivor too, while the victim's successor still loads: no engine replica runs
+    ray.kill(engine_actor(after[0].headers["x-loraplex-replica"]), no_restart=True)
+
     def running_replicas() -> int:
         status = serve.status().applications[scaleout.APP_NAME].deployments[scaleout.ENGINE_DEPLOYMENT]
         return status.replica_states.get("RUNNING", 0)
 
-    wait_until(lambda: running_replicas() == 2, timeout=120, interval=1, what="Ray to replace the killed replica")
+    # Serve's controller sees both gone within a second or two; a successor takes about 25 s to load
+    wait_until(lambda: running_replicas() == 0, timeout=10, interval=0.2, what="Serve to see both replicas gone")
+    wait_until(lambda: health_status(cluster["base"]) == 503, timeout=5, interval=0.2,
+               what="/health to answer 503")  # (the ingress asks Serve at most once a second)
+    health = httpx.get(cluster["base"] + "/health", timeout=10)
+    assert health.status_code == 503 and health.json() == {"status": "unavailable",
+                                                           "detail": "no engine replica is running"}, health.text
+    t = time.monotonic()
+    r = tenant.chat(model=model, max_tokens=2)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "replica_unavailable", r.text
+    assert time.monotonic() - t < ACCEPT_S + 5  # one try: the ingress sees that no replica runs
+    wait_until(lambda: running_replicas() == 2, timeout=180, interval=1, what="Ray to replace the killed replicas")
+    wait_until(lambda: health_status(cluster["base"]) == 200, timeout=10, what="/health to answer ok again")
 
     calls = responses + after
     wait_until(lambda: len({r[0] for r in records()} - before) == len(calls), timeout=10,

@@ -1,5 +1,5 @@
-"""GET /health (readiness: 503 while shutting down, so a load balancer stops sending) and GET /metrics
-(Prometheus)."""
+"""GET /health (readiness: 503 while shutting down or while no engine can run a call, so a load balancer
+stops sending) and GET /metrics (Prometheus)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,19 @@ router = APIRouter(tags=["health"])
 
 
 class Health(BaseModel):
-    status: Literal["ok", "draining"]
+    status: Literal["ok", "draining", "unavailable"]
+    detail: str | None = None
 
 
-@router.get("/health", response_model=Health,
-            responses={503: {"model": Health, "description": "draining: shutting down, send elsewhere"}})
-async def health(lifecycle: LifecycleDep):
+@router.get("/health", response_model=Health, response_model_exclude_none=True,
+            responses={503: {"model": Health, "description": "draining: shutting down, send elsewhere; "
+                                                             "unavailable: no engine can run a call now (detail says why)"}})
+async def health(lifecycle: LifecycleDep, engine: EngineDep):
     if lifecycle.is_draining:
         return JSONResponse({"status": "draining"}, status_code=503, headers={"retry-after": "1"})
+    reason = await engine.unavailable()
+    if reason is not None:
+        return JSONResponse({"status": "unavailable", "detail": reason}, status_code=503, headers={"retry-after": "1"})
     return Health(status="ok")
 
 
