@@ -78,10 +78,16 @@ def budget_period(period: str, now: dt.datetime) -> BudgetPeriod:
 
 
 def keys(tenant_id: int, period: BudgetPeriod) -> list[str]:
-    """Counter keys of one tenant: request TAT, token TAT, concurrency set, budget counter. The hash
-    tag `{t<id>}` keeps them in one Redis Cluster slot, as a multi-key script needs."""
+    """Counter keys of one tenant: request TAT, token TAT, concurrency set, budget counter, open tickets
+    (admitted, not yet settled: a settle gives back only once, so it can be sent again). The hash tag
+    `{t<id>}` keeps them in one Redis Cluster slot, as a multi-key script needs."""
     tag = f"lpx:{{t{tenant_id}}}"
-    return [f"{tag}:rq", f"{tag}:tk", f"{tag}:cc", f"{tag}:bg:{period.id}"]
+    return [f"{tag}:rq", f"{tag}:tk", f"{tag}:cc", f"{tag}:bg:{period.id}", f"{tag}:op"]
+
+
+# How long an admitted request's ticket stays open for its settle (a settle after it releases the slots
+# but gives nothing back): longer than any request runs, so it only bounds what crashed processes leave.
+OPEN_TICKET_MS = 86_400_000.0
 
 
 def slot_ids(request_id: str, num_slots: int) -> list[str]:

@@ -13,6 +13,7 @@ from loraplex.platform.quotas.limits import (
     BUDGET,
     CONCURRENCY,
     NEED_SEED,
+    OPEN_TICKET_MS,
     REQUESTS,
     TOKENS,
     TOO_LARGE,
@@ -31,13 +32,14 @@ class MemoryBackend:
         self._tat: dict[str, float] = {}
         self._leases: dict[str, dict[str, float]] = {}
         self._budget: dict[str, tuple[int, float]] = {}  # key -> (used, expires_at_ms)
+        self._open: dict[str, dict[str, float]] = {}  # open tickets: key -> request id -> admitted at (ms)
 
     def now_ms(self) -> float:
         return self._clock() * 1000.0
 
     async def admit(self, keys: list[str], limits: Limits, cost: int, request_id: str, *, lease_ms: float,
                     budget_ttl_ms: float, budget_seed: int | None = None, num_slots: int = 1) -> Decision:
-        rq, tk, cc, bg = keys
+        rq, tk, cc, bg, op = keys
         with self._lock:
             now = self.now_ms()
             d = Decision(allowed=True)
@@ -66,6 +68,10 @@ class MemoryBackend:
                 if refused:
                     d.allowed, d.reason, d.retry_after_ms = False, reason, retry_ms
                     return d
+            tickets = self._open.setdefault(op, {})
+            for rid in [r for r, at in tickets.items() if at <= now - OPEN_TICKET_MS]:
+                del tickets[rid]
+            tickets[request_id] = now
             if limits.max_concurrent_requests is not None:
                 for slot in slot_ids(request_id, num_slots):
                     leases[slot] = now + lease_ms
@@ -93,27 +99,32 @@ class MemoryBackend:
         return fits, new_tat, new_tat - WINDOW_MS - now
 
     async def settle(self, keys: list[str], limits: Limits, request_id: str, refund: int,
-                     num_slots: int = 1, refund_request: bool = False) -> None:
+                     num_slots: int = 1, refund_request: bool = False) -> bool:
         """Release the request's concurrency slots and give back `refund` unused tokens, and with
-        refund_request its unit of the requests-per-minute bucket (a request that never ran)."""
-        rq, tk, cc, bg = keys
+        refund_request its unit of the requests-per-minute bucket (a request that never ran). Gives back
+        only while the request's ticket is open, which the first settle closes: True if this one gave
+        back, False for a settle sent again (its slots are released all the same)."""
+        rq, tk, cc, bg, op = keys
         with self._lock:
             now = self.now_ms()
             for slot in slot_ids(request_id, num_slots):
                 self._leases.get(cc, {}).pop(slot, None)
+            if self._open.get(op, {}).pop(request_id, None) is None:
+                return False
             if refund_request and limits.rpm and rq in self._tat:
                 self._tat[rq] = max(self._tat[rq] - WINDOW_MS / limits.rpm, now)
             if refund <= 0:
-                return
+                return True
             if limits.tpm and tk in self._tat:
                 self._tat[tk] = max(self._tat[tk] - refund * WINDOW_MS / limits.tpm, now)
             if bg in self._budget:
                 used, expires = self._budget[bg]
                 self._budget[bg] = (max(0, used - refund), expires)
+            return True
 
     async def peek(self, keys: list[str]) -> tuple[float, float | None, float | None, int]:
         """(now ms, request TAT, token TAT, requests in flight), changing nothing."""
-        rq, tk, cc, _ = keys
+        rq, tk, cc = keys[:3]
         with self._lock:
             now = self.now_ms()
             num_concurrent = sum(exp > now for exp in self._leases.get(cc, {}).values())

@@ -12,17 +12,18 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from loraplex.platform.quotas.limits import Decision, Limits
+from loraplex.platform.quotas.limits import OPEN_TICKET_MS, Decision, Limits
 
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 
-# KEYS: rq tk cc bg. ARGV: rpm tpm max_cc budget (-1: unlimited) cost request_id lease_ms budget_ttl_ms seed (-1: none)
+# KEYS: rq tk cc bg op. ARGV: rpm tpm max_cc budget (-1: unlimited) cost request_id lease_ms budget_ttl_ms seed (-1: none)
 # num_slots (members request_id, request_id#1, ... as limits.slot_ids)
 ADMIT_LUA = """
-local rq, tk, cc, bg = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local rq, tk, cc, bg, op = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local rpm, tpm, max_cc, budget = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local cost, rid, lease_ms = tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
 local budget_ttl_ms, seed, num_slots = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
+local open_ms = tonumber(ARGV[11])
 local WINDOW = 60000.0
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
@@ -60,6 +61,9 @@ elseif max_cc >= 0 and num_cc + num_slots > max_cc then reason, retry = 'concurr
 elseif not rq_fits then reason, retry = 'requests', rq_retry
 elseif not tk_fits then reason, retry = 'tokens', tk_retry end
 if reason == '' then
+  redis.call('ZREMRANGEBYSCORE', op, '-inf', now - open_ms)
+  redis.call('ZADD', op, now, rid)
+  redis.call('PEXPIRE', op, math.ceil(open_ms))
   if max_cc >= 0 then
     redis.call('ZADD', cc, now + lease_ms, rid)
     for i = 1, num_slots - 1 do redis.call('ZADD', cc, now + lease_ms, rid .. '#' .. i) end
@@ -78,15 +82,17 @@ return {allowed, reason, tostring(retry), tostring(rq_rem), tostring(rq_reset), 
         tostring(tk_reset), string.format('%d', used)}
 """
 
-# KEYS: rq tk cc bg. ARGV: rpm tpm (-1: unlimited) request_id refund num_slots refund_request (0/1)
+# KEYS: rq tk cc bg op. ARGV: rpm tpm (-1: unlimited) request_id refund num_slots refund_request (0/1). Gives
+# back only while the request's ticket is open (returns 1), so a settle sent twice gives back once (0).
 SETTLE_LUA = """
-local rq, tk, cc, bg = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local rq, tk, cc, bg, op = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local rpm, tpm, rid, refund = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local num_slots, refund_request = tonumber(ARGV[5]), tonumber(ARGV[6])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 redis.call('ZREM', cc, rid)
 for i = 1, num_slots - 1 do redis.call('ZREM', cc, rid .. '#' .. i) end
+if redis.call('ZREM', op, rid) == 0 then return 0 end
 local function give_back(key, units, limit)
   local v = redis.call('GET', key)
   if v then
@@ -127,7 +133,8 @@ class RedisBackend:
     async def admit(self, keys: list[str], limits: Limits, cost: int, request_id: str, *, lease_ms: float,
                     budget_ttl_ms: float, budget_seed: int | None = None, num_slots: int = 1) -> Decision:
         args = [_arg(limits.rpm), _arg(limits.tpm), _arg(limits.max_concurrent_requests),
-                _arg(limits.token_budget), cost, request_id, lease_ms, budget_ttl_ms, _arg(budget_seed), num_slots]
+                _arg(limits.token_budget), cost, request_id, lease_ms, budget_ttl_ms, _arg(budget_seed), num_slots,
+                OPEN_TICKET_MS]
         allowed, reason, retry, rq_rem, rq_reset, tk_rem, tk_reset, used = await self._admit(keys=keys, args=args)
         return Decision(
             allowed=allowed == "1", reason=reason or None, retry_after_ms=float(retry),
@@ -137,9 +144,10 @@ class RedisBackend:
         )
 
     async def settle(self, keys: list[str], limits: Limits, request_id: str, refund: int,
-                     num_slots: int = 1, refund_request: bool = False) -> None:
-        await self._settle(keys=keys, args=[_arg(limits.rpm), _arg(limits.tpm), request_id, max(0, refund),
-                                            num_slots, int(refund_request)])
+                     num_slots: int = 1, refund_request: bool = False) -> bool:
+        """`MemoryBackend.settle`, atomically in Redis."""
+        return bool(int(await self._settle(keys=keys, args=[_arg(limits.rpm), _arg(limits.tpm), request_id,
+                                                            max(0, refund), num_slots, int(refund_request)])))
 
     async def peek(self, keys: list[str]) -> tuple[float, float | None, float | None, int]:
         """(now ms, request TAT, token TAT, requests in flight) on Redis's clock, changing nothing."""

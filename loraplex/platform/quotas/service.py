@@ -3,12 +3,16 @@
 `admit` reserves prompt tokens + max_tokens; `settle` gives back what the request did not use and frees
 its concurrency slot. With Redis unreachable, `fail_mode` "open" falls back to this process's own
 counters (a local limit) and "closed" refuses with 503; a tenant with a token budget is refused either
-way (budgets fail closed: a local counter cannot know what other processes spent).
+way (budgets fail closed: a local counter cannot know what other processes spent). A settle that cannot
+reach Redis is sent again until it does (every `RESETTLE_S`, at most `MAX_UNSETTLED` held): otherwise a
+short partition would hold the tenant's concurrency slots until their lease ran out (minutes of 429s).
+Sending it twice is safe: the backends give back only once per admitted request (its open ticket).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 from collections.abc import Callable
@@ -32,6 +36,9 @@ from loraplex.platform.quotas.limits import (
 from loraplex.platform.quotas.memory import MemoryBackend
 
 logger = logging.getLogger(__name__)
+
+RESETTLE_S = 0.5  # first wait before a settle that could not reach Redis is sent again; doubles up to 8 s
+MAX_UNSETTLED = 100_000  # settles held for Redis to come back (past it the oldest are dropped: their leases expire)
 
 
 @dataclass
@@ -80,6 +87,8 @@ class QuotaService:
         self.lease_ms = lease_s * 1000.0
         self.budget_seed = budget_seed or (lambda tenant_id, start: 0)
         self.degraded = False  # True while Redis is unreachable
+        self._unsettled: collections.deque[tuple[Ticket, int, bool]] = collections.deque(maxlen=MAX_UNSETTLED)
+        self._resettler: asyncio.Task | None = None
 
     async def admit(self, tenant_id: int, limits: Limits, cost: int, request_id: str,
                     num_sequences: int = 1, sequences_param: str = "n") -> Ticket:
@@ -128,8 +137,40 @@ class QuotaService:
         try:
             await ticket.backend.settle(ticket.keys, ticket.limits, ticket.request_id, refund, ticket.num_slots,
                                         refund_request=not ran)
-        except Exception as exc:  # a lost refund only under-admits until the lease / bucket catches up
-            logger.warning("could not settle quota of request %s: %s", ticket.request_id, exc)
+        except Exception as exc:
+            if ticket.backend is self.local or not _unreachable(exc):  # lost: the lease and buckets catch up
+                logger.warning("could not settle quota of request %s: %s", ticket.request_id, exc)
+                return
+            logger.warning("could not settle quota of request %s (%s); sending it again once Redis answers",
+                           ticket.request_id, exc)
+            self._unsettled.append((ticket, refund, ran))
+            if self._resettler is None or self._resettler.done():
+                self._resettler = asyncio.get_running_loop().create_task(self._resettle())
+
+    @property
+    def num_unsettled(self) -> int:
+        """Settles waiting for Redis to answer again."""
+        return len(self._unsettled)
+
+    async def _resettle(self) -> None:
+        """Send the held settles again, oldest first, until none is left; waits RESETTLE_S after a failure,
+        doubling up to 8 s while Redis stays unreachable."""
+        wait = RESETTLE_S
+        while self._unsettled:
+            await asyncio.sleep(wait)
+            while self._unsettled:
+                ticket, refund, ran = self._unsettled[0]
+                try:
+                    await ticket.backend.settle(ticket.keys, ticket.limits, ticket.request_id, refund,
+                                                ticket.num_slots, refund_request=not ran)
+                except Exception as exc:
+                    if _unreachable(exc):
+                        wait = min(2 * wait, 8.0)
+                        break
+                    logger.warning("could not settle quota of request %s: %s", ticket.request_id, exc)
+                self._unsettled.popleft()
+            else:
+                logger.info("held quota settles sent")
 
     async def current_use(self, tenant_id: int, limits: Limits) -> CurrentUse:
         """Read-only (the admin dashboard); raises if the store is unreachable."""
@@ -180,6 +221,8 @@ class QuotaService:
         self.degraded = degraded
 
     async def close(self) -> None:
+        if self._resettler is not None:
+            self._resettler.cancel()
         await self.backend.close()
 
 

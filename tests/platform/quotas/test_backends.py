@@ -73,6 +73,24 @@ def test_tokens_reserved_then_refunded(make_backend):
     run(make_backend, scenario)
 
 
+def test_a_settle_sent_twice_gives_back_once(make_backend):
+    """A settle may be sent again (Redis did not answer the first); only the first gives anything back, and
+    every one releases the slots."""
+    async def scenario(b, ks):
+        limits = Limits(rpm=3, tpm=100, max_concurrent_requests=1, token_budget=1000)
+        assert (await admit(b, ks, limits, cost=60, rid="a", seed=0)).allowed
+        assert await b.settle(ks, limits, "a", refund=50, refund_request=True) is True
+        assert await b.settle(ks, limits, "a", refund=50, refund_request=True) is False
+        d = await admit(b, ks, limits, cost=10, rid="b")  # 10 + 10 tokens and one request of three counted
+        assert d.allowed and 79 <= d.remaining_tokens <= 81 and d.remaining_requests == 2 and d.budget_used == 20
+        assert (await b.peek(ks))[3] == 1
+        await b.settle(ks, limits, "b", refund=0)
+        await b.settle(ks, limits, "b", refund=0)
+        assert (await b.peek(ks))[3] == 0
+
+    run(make_backend, scenario)
+
+
 def test_request_larger_than_the_limit_is_too_large(make_backend):
     async def scenario(b, ks):
         d = await admit(b, ks, Limits(tpm=100), cost=101)
@@ -193,3 +211,74 @@ def test_budget_periods():
                                       (61_250, "1m1.25s")])
 def test_reset_durations_in_openai_format(ms, text):
     assert format_duration(ms) == text
+
+
+class Partition:
+    """A TCP proxy in front of Redis that can drop every byte both ways, as a network partition does
+    (pausing redis-server is not one: the kernel keeps the commands and Redis runs them when it resumes)."""
+
+    def __init__(self, port: int):
+        self.port, self.dropping, self.server = port, False, None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _serve(self, reader, writer):
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+
+        async def pipe(src, dst):
+            try:
+                while data := await src.read(65536):
+                    if not self.dropping:
+                        dst.write(data)
+                        await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    async def close(self):
+        self.server.close()
+
+
+def test_a_settle_lost_to_a_partition_is_sent_again_when_redis_answers(redis_server):
+    """A settle that times out while Redis is cut off is held and sent again: once the partition heals the
+    tenant's concurrency slot is free in seconds, not after its lease, and its unused tokens come back once."""
+    from redis.asyncio import Redis
+
+    from loraplex.platform.quotas.service import QuotaService
+
+    async def main():
+        partition = Partition(int(redis_server.url.rsplit(":", 1)[1].split("/")[0]))
+        port = await partition.start()
+        service = QuotaService(RedisBackend(f"redis://127.0.0.1:{port}/0", timeout_s=0.3), lease_s=600)
+        direct = Redis.from_url(redis_server.url, decode_responses=True)
+        tenant = next(_tenants)
+        limits = Limits(tpm=100, max_concurrent_requests=1)
+        try:
+            ticket = await service.admit(tenant, limits, cost=60, request_id="a")
+            cc = ticket.keys[2]
+            assert await direct.zcard(cc) == 1
+            partition.dropping = True
+            await service.settle(ticket, 10)  # times out: held
+            assert service.num_unsettled == 1 and await direct.zcard(cc) == 1
+            partition.dropping = False
+            for _ in range(100):  # the slot is free again within seconds (its lease: 10 minutes)
+                if not await direct.zcard(cc):
+                    break
+                await asyncio.sleep(0.1)
+            assert await direct.zcard(cc) == 0 and service.num_unsettled == 0
+            await service.settle(ticket, 10)  # the same settle once more: nothing more is given back
+            again = await service.admit(tenant, limits, cost=50, request_id="b")
+            # 10 used + 50 of 100, plus what the bucket refilled over the test's seconds (1.7 a second);
+            # given back twice it would be about 50
+            assert 40 <= int(again.headers["x-ratelimit-remaining-tokens"]) <= 45, again.headers
+        finally:
+            await service.close()
+            await direct.aclose()
+            await partition.close()
+
+    asyncio.run(main())
