@@ -111,6 +111,10 @@ def test_refusals_are_pages_and_the_json_api_is_unchanged(operator, dash_admin):
     assert r.status_code == 404 and r.headers["content-type"].startswith("text/html") and "999999" in r.text
     r = operator.get("/admin/ui/tenants/999999", params={"start": "yesterday"})
     assert r.status_code == 400
+    for bad in (2**63, "x"):  # past the column's range, not a number: a page, not the JSON API's body
+        r = operator.get(f"/admin/ui/tenants/{bad}")
+        assert r.status_code == 400 and r.headers["content-type"].startswith("text/html"), (bad, r.text[:200])
+        assert "tenant_id" in r.text
     tenants = dash_admin.get("/admin/tenants")
     assert tenants.status_code == 200 and tenants.json()["object"] == "list"
     assert dash_admin.get("/admin/engine").json()["quota_store"] == "ok"
