@@ -34,6 +34,13 @@ class QuotaDefaults(BaseSettings):
     priority: int = 0
     min_priority: int = 0
 
+    @model_validator(mode="after")
+    def _default_priority_allowed(self) -> QuotaDefaults:
+        if self.priority < self.min_priority:
+            raise ValueError(f"LORAPLEX_DEFAULT_PRIORITY ({self.priority}) is more urgent than LORAPLEX_DEFAULT_MIN_PRIORITY "
+                             f"({self.min_priority}): a tenant's default priority must be one its requests may ask for")
+        return self
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LORAPLEX_", extra="ignore", hide_input_in_errors=True)

@@ -1,4 +1,4 @@
-"""API keys and settings that refuse placeholder secrets."""
+"""API keys, and settings that refuse placeholder secrets or contradictory defaults."""
 
 from __future__ import annotations
 
@@ -38,3 +38,13 @@ def test_settings_from_environment(monkeypatch, tmp_path):
     assert s.sqlalchemy_url == f"sqlite:///{tmp_path / 'loraplex.db'}" and s.adapters_dir == tmp_path / "adapters"
     assert s.admin_key.get_secret_value() == key and key not in repr(s)
     assert (s.host, s.model_id) == ("127.0.0.1", "smollm2-135m-instruct")
+
+
+def test_a_default_priority_more_urgent_than_the_default_floor_is_refused(monkeypatch):
+    from loraplex.platform.config import QuotaDefaults
+
+    monkeypatch.setenv("LORAPLEX_DEFAULT_MIN_PRIORITY", "2")
+    with pytest.raises(ValidationError, match=r"LORAPLEX_DEFAULT_PRIORITY \(0\) is more urgent"):
+        QuotaDefaults()
+    monkeypatch.setenv("LORAPLEX_DEFAULT_PRIORITY", "2")
+    assert (QuotaDefaults().priority, QuotaDefaults().min_priority) == (2, 2)

@@ -42,7 +42,7 @@ from loraplex.platform.api.deps import (
     SessionsDep,
     TenantAdaptersDep,
 )
-from loraplex.platform.errors import conflict, not_found
+from loraplex.platform.errors import conflict, invalid_request, not_found
 from loraplex.platform.models import ApiKey, Tenant, utcnow
 from loraplex.platform.openai_responses import AdapterCard, Deleted
 from loraplex.platform.tenant_adapters import adapter_card
@@ -67,6 +67,7 @@ def create_tenant(body: TenantIn, defaults: QuotaDefaultsDep, session: SessionDe
     quota = body.quota.model_dump(exclude_unset=True) if body.quota else None
     try:
         tenant = crud.create_tenant(session, body.name, defaults, quota)
+        _check_priorities(tenant.quota)
         session.commit()
     except IntegrityError:
         raise conflict(f"A tenant named `{body.name}` exists.", param="name") from None
@@ -124,8 +125,18 @@ def get_quota(tenant_id: RowId, session: SessionDep, _: AdminKey) -> QuotaOut:
 def set_quota(tenant_id: RowId, body: QuotaIn, session: SessionDep, _: AdminKey) -> QuotaOut:
     """Set the given quota fields (null: unlimited); effective for the tenant's next request."""
     quota = crud.update_quota(session, _tenant(session, tenant_id), body.model_dump(exclude_unset=True))
+    _check_priorities(quota)
     session.commit()
     return quota_out(quota)
+
+
+def _check_priorities(quota) -> None:
+    """400 (nothing saved) for a default priority more urgent than the tenant's min_priority: its requests
+    that name none would run at a priority that those naming it are refused."""
+    if quota.priority < quota.min_priority:
+        raise invalid_request(f"priority {quota.priority} is more urgent than min_priority {quota.min_priority}: a "
+                              "tenant's default priority must be one its requests may ask for (lower runs first).",
+                              param="priority")
 
 
 # keys -------------------------------------------------------------------------------------------

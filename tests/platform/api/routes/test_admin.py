@@ -67,6 +67,17 @@ def test_quota_read_and_set(admin, make_tenant):
         assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(bad)), (bad, r.text)
     q = admin.patch(f"/admin/tenants/{t.id}/quota", json={"weight": 1e-6, "token_budget": 2**63 - 1}).json()
     assert (q["weight"], q["token_budget"]) == (1e-6, 2**63 - 1)  # the bounds themselves are taken
+    # a default priority the tenant's own requests could not ask for, given or left as it is: nothing saved
+    for bad in ({"min_priority": 3}, {"priority": -6}, {"priority": 0, "min_priority": 1, "rpm": 9}):
+        r = admin.patch(f"/admin/tenants/{t.id}/quota", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority", (bad, r.text)
+        assert "more urgent than min_priority" in r.json()["error"]["message"]
+    q = admin.get(f"/admin/tenants/{t.id}/quota").json()
+    assert (q["priority"], q["min_priority"], q["rpm"]) == (2, -5, 7)
+    r = admin.post("/admin/tenants", json={"name": f"{t.name}-p", "quota": {"priority": -1}})  # min_priority 0
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+    assert admin.post("/admin/tenants", json={"name": f"{t.name}-p", "quota": {"priority": -1, "min_priority": -1}}
+                      ).status_code == 201
 
 
 def test_numbers_past_the_database_range_are_refused_not_500(admin, make_tenant):
