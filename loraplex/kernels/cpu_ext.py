@@ -127,7 +127,12 @@ def _build():
         build_dir = build_root() / name
         build_dir.mkdir(parents=True, exist_ok=True)
         with open(build_root() / f"{name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # another process building it: wait for it, then load
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # another process builds it: wait for it, then load (say so: minutes)
+                logger.warning("waiting for another process to finish building the CPU kernels (%s holds it)",
+                               lock.name)
+                fcntl.flock(lock, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)  # PyTorch's, left by a killed build: stale
             if not (build_dir / f"{name}.so").exists():
                 logger.warning("building the CPU kernels (once per machine and checkout: under a minute on a "

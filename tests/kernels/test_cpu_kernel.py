@@ -77,6 +77,30 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start(monkeypatch)
     assert not (cpu_ext.build_root() / cpu_ext.module_name() / "lock").exists()
 
 
+def test_a_start_that_waits_for_another_process_building_says_so(monkeypatch, caplog):
+    """The build lock held by another process (here: this test, through another open file, which flock
+    treats as another holder): the loader logs that it waits, instead of a silent start that looks hung."""
+    import fcntl
+    import logging
+    import threading
+
+    monkeypatch.setattr(cpu_ext, "_tried", False)
+    monkeypatch.setattr(cpu_ext, "_module", None)
+    with open(cpu_ext.build_root() / f"{cpu_ext.module_name()}.lock", "w") as held, \
+            caplog.at_level(logging.WARNING, logger=cpu_ext.logger.name):
+        fcntl.flock(held, fcntl.LOCK_EX)
+        loader = threading.Thread(target=cpu_ext.load, daemon=True)
+        loader.start()
+        for _ in range(200):
+            if "waiting for another process" in caplog.text:
+                break
+            loader.join(timeout=0.05)
+        assert loader.is_alive() and "waiting for another process to finish building the CPU kernels" in caplog.text
+        fcntl.flock(held, fcntl.LOCK_UN)
+    loader.join(timeout=120)
+    assert not loader.is_alive() and cpu_ext._module is not None
+
+
 def _args(case):
     order = case.meta.row_order
     sid = case.meta.slot_ids.to(torch.int64)[order]
