@@ -17,6 +17,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
@@ -45,6 +46,8 @@ class AsyncLLM:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, Sink]] = {}
         self._thread: threading.Thread | None = None
+        self._progress_at = time.monotonic()  # when the step loop last finished a command or a step
+        self._idle = False  # the step loop waits for a command with nothing to step
         if start:
             self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
             self._thread.start()
@@ -137,6 +140,14 @@ class AsyncLLM:
         """Run `fn(*args)` on the engine thread (e.g. `engine.adapters.register`), returning its result."""
         return await self._call(fn, *args)
 
+    def seconds_without_progress(self) -> float:
+        """Seconds since the step loop last finished a command or a step while it has work (queued commands
+        or unfinished requests); 0 when it has none. A health check's reading, from any thread: a wedged
+        step (a kernel that never returns) grows it while the thread stays alive."""
+        if self._idle or (self._commands.empty() and not self.engine.has_unfinished_requests()):
+            return 0.0
+        return time.monotonic() - self._progress_at
+
     def is_alive(self) -> bool:
         """False once the step loop's own thread has ended (it never ends on a failed command or step, only
         at `shutdown`); True where the caller runs the loop (start=False)."""
@@ -215,11 +226,14 @@ class AsyncLLM:
     def _loop(self) -> None:
         while True:
             try:
-                cmd = self._commands.get(block=not self.engine.has_unfinished_requests())
+                self._idle = not self.engine.has_unfinished_requests()
+                cmd = self._commands.get(block=self._idle)
+                self._idle, self._progress_at = False, time.monotonic()
                 while True:
                     if cmd is None:
                         return
                     self._run_command(cmd)
+                    self._progress_at = time.monotonic()
                     cmd = self._commands.get_nowait()
             except queue.Empty:
                 pass
@@ -232,6 +246,7 @@ class AsyncLLM:
             except Exception as exc:  # no request to blame (the forward pass): end the batch, keep serving
                 logger.exception("engine step failed; aborting the batch")
                 self._abort_batch(f"the engine step failed: {type(exc).__name__}: {exc}")
+            self._progress_at = time.monotonic()
 
     def _abort_batch(self, error: str) -> None:
         """End the running requests with `error`; the waiting ones go on, unless nothing was running (a

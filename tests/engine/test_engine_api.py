@@ -263,6 +263,28 @@ def test_async_engine_survives_callers_cancelled_mid_request():
     asyncio.run(main())
 
 
+def test_a_wedged_step_loop_shows_in_seconds_without_progress():
+    """What a scale-out replica's health check reads: 0 while the loop is idle, growing while a command (or
+    a step) does not return, 0 again once it has."""
+
+    async def main():
+        engine = AsyncLLM("tiny-llama", load_format="dummy", dtype="float32", max_lora_rank=8, max_loras=1,
+                          kv_cache_memory=1 << 20)
+        await asyncio.sleep(0.3)
+        assert engine.seconds_without_progress() == 0.0  # idle for 0.3 s: not stuck
+        stuck = asyncio.ensure_future(engine.call(time.sleep, 1.5))  # the engine thread busy in one command
+        await asyncio.sleep(0.2)
+        engine.abort_nowait("nobody")  # work queued behind it
+        await asyncio.sleep(1.0)
+        assert 0.9 <= engine.seconds_without_progress() <= 1.5
+        await stuck
+        await asyncio.sleep(0.1)
+        assert engine.seconds_without_progress() == 0.0
+        engine.shutdown()
+
+    asyncio.run(main())
+
+
 def test_submit_to_is_one_command_and_one_hand_off_per_step(tmp_path):
     """A call registers its adapter and queues its requests in one engine command (a request waits for
     one step boundary, not two), and each step's outputs of the call reach its sink in one call."""

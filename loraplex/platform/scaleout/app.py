@@ -60,9 +60,19 @@ class Ingress:
 
         client = RayEngineClient(self.engine, self.settings.model_id,
                                  accept_timeout_s=self.settings.replica_accept_timeout_s,
-                                 stall_timeout_s=self.settings.replica_stall_timeout_s)
+                                 stall_timeout_s=self.settings.replica_stall_timeout_s,
+                                 count_replicas=num_running_replicas)
         await client.start()
         return create_app(self.settings, client, migrate=False)
+
+
+def num_running_replicas() -> int:
+    """Engine replicas in Serve's RUNNING state (blocking: a call to Serve's controller)."""
+    from ray import serve
+
+    app = serve.status().applications.get(APP_NAME)
+    deployment = app.deployments.get(ENGINE_DEPLOYMENT) if app is not None else None
+    return deployment.replica_states.get("RUNNING", 0) if deployment is not None else 0
 
 
 def build_app(settings: Settings, num_replicas: int, num_ingresses: int = 1, router: str = "affinity",

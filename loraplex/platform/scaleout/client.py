@@ -9,9 +9,12 @@ sink on the event loop, one hand-off per replica step as in one process.
 Faults, as the routes answer them:
 - the replica refuses the call: EngineOverloadedError (503 `server_overloaded`) or ValueError (400);
 - Serve's queue in front of the replicas is full (`BackPressureError`): EngineOverloadedError;
-- the replica is gone before it accepts the call, or does not accept it within `accept_timeout_s` (hung,
-  or none running while Serve starts one): tried on another replica, up to `SUBMIT_ATTEMPTS` times, then
-  503 `replica_unavailable`, at once when Serve has no replica running; nothing ran, so nothing is charged;
+- the replica is gone before it receives the call, or does not receive it within `accept_timeout_s`
+  (hung, or none running while Serve starts one): tried on another replica, up to `SUBMIT_ATTEMPTS`
+  times, then 503 `replica_unavailable`; at once, without a try, while Serve reports no engine replica
+  RUNNING (asked every `STATUS_S` in the background; /health answers 503 then too); nothing ran, so
+  nothing is charged. Once a replica has the call (its "received" item), the call is not sent elsewhere:
+  if the replica then dies or stays silent for `stall_timeout_s` before queueing it, 503 as well;
 - the replica dies while it runs the call, or its stream stays silent for `stall_timeout_s` (a replica
   sends a heartbeat at least every quarter of it, so silence means hung), or ends before the call's
   requests did: each unfinished request ends with finish reason "abort" and an error starting with
@@ -19,8 +22,8 @@ Faults, as the routes answer them:
   its usage is recorded as every other ended request's is.
 Cancelling (the client disconnected, `abort_nowait`) cancels the Serve request; the replica aborts the
 engine requests and frees their KV blocks. Each call names this ingress's actor, so that the replicas
-abort its calls should it die (`replica.EngineReplica`). `stats()` and `compile_schema()` answer 503
-`replica_unavailable` when their replica is lost or silent for `accept_timeout_s`.
+abort its calls should it die (`replica.EngineReplica`). `stats()` answers 503 `replica_unavailable` when
+its replica is lost or silent for `accept_timeout_s`, `compile_schema()` for `stall_timeout_s`.
 
 What stays per replica: deleting an adapter waits for this ingress's calls on it, and the replicas
 forget it by LRU (no request reaches it again: the gateway answers 404 first). `stats()` is the
@@ -30,7 +33,9 @@ snapshot of one replica (the router's choice), named under "replica".
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+from collections.abc import Callable
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -42,11 +47,12 @@ from loraplex.engine.request import RequestOutput
 from loraplex.engine.sampling_params import ParamError, SamplingParams
 from loraplex.platform.engine_client import EngineClient, Placement
 from loraplex.platform.errors import REPLICA_LOST, replica_lost
-from loraplex.platform.scaleout.replica import WireOutput
+from loraplex.platform.scaleout.replica import WireOutput, within
 
 logger = logging.getLogger(__name__)
 
 SUBMIT_ATTEMPTS = 3  # replicas tried for a call before 503 replica_unavailable (nothing ran on any)
+STATUS_S = 2.0  # how often an ingress asks Serve's controller how many engine replicas run
 _LOST = (RayActorError, ActorUnavailableError, DeploymentUnavailableError)
 
 
@@ -100,7 +106,9 @@ class RayEngineClient(EngineClient):
     deployment). `start()` must run (on the event loop) before the routes use it."""
 
     def __init__(self, handle: DeploymentHandle, model_id: str, *, accept_timeout_s: float = 10.0,
-                 stall_timeout_s: float = 30.0):
+                 stall_timeout_s: float = 30.0, count_replicas: Callable[[], int] | None = None):
+        """count_replicas: how many engine replicas Serve has RUNNING (blocking; `app.num_running_replicas`),
+        asked every STATUS_S from `start()` on; None: never asked (then never "unavailable")."""
         self.llm = None
         self.handle = handle
         self.model_id = model_id
@@ -110,7 +118,10 @@ class RayEngineClient(EngineClient):
         self._calls: dict[str, _Call] = {}  # request id -> its call, while it runs
         self._readers: set[asyncio.Task] = set()
         self._caller = _current_actor()
-        self._status: tuple[float, str | None] = (float("-inf"), None)  # (when, `unavailable()`'s answer)
+        self.count_replicas = count_replicas
+        self.num_running_replicas: int | None = None  # Serve's last answer (None: not known yet)
+        self._status_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loraplex-serve-status")
+        self._status_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         """Read the model's tokenizer and limits from a replica (they are the same on every one)."""
@@ -121,6 +132,26 @@ class RayEngineClient(EngineClient):
         self.max_num_seqs = info["max_num_seqs"]
         self.max_model_len = self.model_config.max_model_len
         self.kv_capacity_tokens = info["kv_capacity_tokens"]
+        if self.count_replicas is not None:
+            self._status_task = asyncio.get_running_loop().create_task(self._watch_status())
+
+    async def _watch_status(self) -> None:
+        """Every STATUS_S, how many engine replicas Serve has RUNNING (`serve.status`, on this client's own
+        thread: one question at a time, skipped while the last is unanswered). An error or a slow
+        controller leaves the last answer as it was: Serve's data plane works without its controller, so
+        only a positive 0 makes calls and /health answer 503."""
+        loop = asyncio.get_running_loop()
+        asking: concurrent.futures.Future | None = None
+        while True:
+            if asking is None or asking.done():
+                asking = self._status_thread.submit(self.count_replicas)
+            try:
+                self.num_running_replicas = await within(asyncio.wrap_future(asking, loop=loop), STATUS_S)
+            except asyncio.TimeoutError:
+                pass
+            except Exception as e:
+                logger.warning("could not read the engine replicas' status from Serve: %r", e)
+            await asyncio.sleep(STATUS_S)
 
     # requests -----------------------------------------------------------------------------------
     async def submit_to(self, prompts: list[list[int]], params: list[SamplingParams], request_ids: list[str],
@@ -134,9 +165,11 @@ class RayEngineClient(EngineClient):
                    "caller": self._caller}
         handle = self.handle.options(stream=True, multiplexed_model_id=adapter or "")
         for attempt in range(1, SUBMIT_ATTEMPTS + 1):
+            if self.num_running_replicas == 0:  # a try would only wait for Serve to start one
+                raise replica_lost()
             stream = handle.generate.remote(payload)
             try:
-                first = await asyncio.wait_for(stream.__anext__(), self.accept_timeout_s)
+                await within(stream.__anext__(), self.accept_timeout_s)  # ("received",)
                 break
             except asyncio.CancelledError:
                 stream.cancel()
@@ -144,16 +177,23 @@ class RayEngineClient(EngineClient):
             except BackPressureError as e:
                 raise EngineOverloadedError(f"every engine replica's queue is full: {e}") from None
             except asyncio.TimeoutError:
-                stream.cancel()  # should the replica take it after all, it aborts it
-                logger.warning("no engine replica accepted call %s within %g s (attempt %d)", request_ids[0],
+                stream.cancel()  # should the replica get it after all, it drops it
+                logger.warning("no engine replica received call %s within %g s (attempt %d)", request_ids[0],
                                self.accept_timeout_s, attempt)
             except (*_LOST, StopAsyncIteration) as e:
-                logger.warning("engine replica lost before it took call %s (attempt %d): %r", request_ids[0],
-                               attempt, e)
-            if await self.unavailable() is not None:  # none running: another try would only wait for one
-                raise replica_lost()
+                logger.warning("engine replica lost before it received call %s (attempt %d): %r",
+                               request_ids[0], attempt, e)
         else:
             raise replica_lost()
+        try:  # the replica queues it: a schema to compile, the engine's next step boundary
+            first = await within(stream.__anext__(), self.stall_timeout_s)
+        except asyncio.CancelledError:
+            stream.cancel()
+            raise
+        except (asyncio.TimeoutError, *_LOST, StopAsyncIteration) as e:
+            stream.cancel()
+            logger.warning("engine replica lost while it queued call %s: %r", request_ids[0], e)
+            raise replica_lost() from None
         status = first[0]
         if status == "overloaded":
             raise EngineOverloadedError(first[1], retry_after_s=first[2])
@@ -172,7 +212,7 @@ class RayEngineClient(EngineClient):
         try:
             while True:
                 try:
-                    wire = await asyncio.wait_for(call.stream.__anext__(), self.stall_timeout_s)
+                    wire = await within(call.stream.__anext__(), self.stall_timeout_s)
                 except StopAsyncIteration:
                     break
                 if not wire:  # the replica's heartbeat
@@ -221,18 +261,18 @@ class RayEngineClient(EngineClient):
         return False
 
     async def stats(self) -> dict:
-        return await self._ask(self.handle.stats.remote())
+        return await self._ask(self.handle.stats.remote(), self.accept_timeout_s)
 
     async def compile_schema(self, schema: dict) -> None:
-        refused = await self._ask(self.handle.compile_schema.remote(schema))
+        refused = await self._ask(self.handle.compile_schema.remote(schema), self.stall_timeout_s)
         if refused is not None:
             raise ParamError(refused[1], refused[0])
 
-    async def _ask(self, response):
+    async def _ask(self, response, timeout_s: float):
         """The result of one replica call, or 503 `replica_unavailable` if its replica is lost or silent
-        for accept_timeout_s."""
+        for timeout_s."""
         try:
-            return await asyncio.wait_for(response, self.accept_timeout_s)
+            return await within(response, timeout_s)
         except asyncio.TimeoutError:
             response.cancel()
             raise replica_lost() from None
@@ -240,21 +280,9 @@ class RayEngineClient(EngineClient):
             raise replica_lost() from None
 
     async def unavailable(self) -> str | None:
-        """"no engine replica is running" while Serve has none RUNNING (all dead or starting), else None;
-        Serve's controller is asked at most once a second (`serve.status`, in a worker thread)."""
-        now = asyncio.get_running_loop().time()
-        when, answer = self._status
-        if now - when < 1.0:
-            return answer
-        try:
-            num = await asyncio.wait_for(asyncio.to_thread(_num_running_replicas), self.accept_timeout_s)
-        except Exception as e:  # the controller is unreachable: say so, a call would fail the same way
-            logger.warning("could not read the engine replicas' status: %r", e)
-            answer = "the Serve controller did not answer"
-        else:
-            answer = None if num else "no engine replica is running"
-        self._status = (asyncio.get_running_loop().time(), answer)
-        return answer
+        """"no engine replica is running" while Serve's last answer (asked every STATUS_S) was none RUNNING
+        (all dead, or new ones loading), else None."""
+        return "no engine replica is running" if self.num_running_replicas == 0 else None
 
     async def remove_adapter(self, name: str, poll_s: float = 0.05) -> None:
         while self.num_running_by_adapter.get(name):
@@ -263,6 +291,9 @@ class RayEngineClient(EngineClient):
     def shutdown(self) -> None:
         for call in {id(c): c for c in self._calls.values()}.values():
             call.cancel()
+        if self._status_task is not None:
+            self._status_task.cancel()
+        self._status_thread.shutdown(wait=False, cancel_futures=True)
 
 
 def _current_actor():
@@ -272,13 +303,3 @@ def _current_actor():
     except Exception:  # not an actor (a driver, a test): its calls run to their end if it dies
         return None
 
-
-def _num_running_replicas() -> int:
-    """Engine replicas in Serve's RUNNING state (blocking: a call to Serve's controller)."""
-    from ray import serve
-
-    from loraplex.platform.scaleout.app import APP_NAME, ENGINE_DEPLOYMENT
-
-    app = serve.status().applications.get(APP_NAME)
-    deployment = app.deployments.get(ENGINE_DEPLOYMENT) if app is not None else None
-    return deployment.replica_states.get("RUNNING", 0) if deployment is not None else 0

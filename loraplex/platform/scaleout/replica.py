@@ -7,9 +7,13 @@ reports its ids to the routers; `router.AdapterAffinityRouter` reads them). The 
 loaded by the engine from the shared adapter store path in the call, on its load thread, exactly as in
 one process (`AsyncLLM.submit_to`).
 
-The stream: first one status item, then the call's outputs step by step, as plain tuples (`WireOutput`)
-that carry deltas only, so a step costs O(1) per request on the wire as in the engine:
+The stream: an item saying the replica has the call, one status item, then the call's outputs step by
+step, as plain tuples (`WireOutput`) that carry deltas only, so a step costs O(1) per request on the wire
+as in the engine:
 
+    ("received",)  first, before anything is queued: the ingress's accept timeout ends here, so a call
+        that waits for a schema to compile or for the engine's step boundary is never sent to a second
+        replica (where, on the same engine, its request ids could still be in use)
     ("accepted", replica_name, adapter_tier)  queued; adapter_tier: `AdapterManager.tier` on arrival
     | ("overloaded", message, retry_after_s) | ("invalid", message, param)  refused, nothing queued
     [WireOutput, ...]  one list per engine step, until every request of the call has finished
@@ -20,19 +24,25 @@ A cancelled stream (the ingress's client went away, or it aborted the call) abor
 requests, whose KV blocks are freed at the next step boundary. An ingress that dies cancels nothing (Ray
 does not cancel an actor's running calls when their caller dies), so each call names its ingress (the
 `caller` actor handle) and the replica asks Ray, as often as it would send a heartbeat, whether each
-ingress it runs calls for is still there; the calls of one that is gone are aborted, as a disconnected
-client's are.
+ingress it runs calls for is still there; the calls of one that is dead (ActorDiedError; not one that is
+only unreachable for now, or slow to answer) are aborted, as a disconnected client's are.
+
+Serve's health check (`check_health`) fails once the engine's step loop has stopped, or has made no
+progress for `replica_stall_timeout_s` while it had work (a wedged kernel): the heartbeats come from the
+event loop, which a wedged engine thread does not stop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import sys
 from typing import NamedTuple
 
 import ray
 from ray import serve
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError
 
 from loraplex.engine.errors import EngineOverloadedError
 from loraplex.engine.request import RequestOutput
@@ -41,6 +51,17 @@ from loraplex.platform.config import Settings
 from loraplex.platform.engine_client import engine_stats
 
 logger = logging.getLogger(__name__)
+
+if sys.version_info >= (3, 11):
+    async def within(awaitable, timeout_s: float):
+        """`await awaitable`, or TimeoutError after timeout_s (`asyncio.timeout`: no task per call, unlike
+        wait_for, which costs about 12 us each on Python 3.11; these run per step per call)."""
+        async with asyncio.timeout(timeout_s):
+            return await awaitable
+else:
+    async def within(awaitable, timeout_s: float):
+        """`await awaitable`, or TimeoutError after timeout_s."""
+        return await asyncio.wait_for(awaitable, timeout_s)
 
 
 class WireOutput(NamedTuple):
@@ -88,16 +109,21 @@ def engine_replica(max_resident_adapters: int):
 
             self.llm = AsyncLLM(s.model, **kwargs)
             self.name = serve.get_replica_context().replica_id.unique_id
-            self.heartbeat_s = s.replica_stall_timeout_s / 4  # also how often each caller is checked
-            # ingress actor id -> its calls running here (first request id -> the call's unfinished ids)
-            self._callers: dict[object, dict[str, set[str]]] = {}
+            self.stall_s = s.replica_stall_timeout_s
+            self.heartbeat_s = self.stall_s / 4  # also how often each caller is checked
+            # ingress actor id -> its calls running here (a number per call -> the call's unfinished ids)
+            self._callers: dict[object, dict[int, set[str]]] = {}
             self._watchers: set[asyncio.Task] = set()
+            self._call_numbers = itertools.count()
 
         def check_health(self) -> None:
             """Serve's periodic health check: raises, so that Serve replaces this replica, once the engine's
-            step loop has stopped."""
+            step loop has stopped or has had work and made no progress for replica_stall_timeout_s."""
             if not self.llm.is_alive():
                 raise RuntimeError("the engine's step loop has stopped")
+            stuck_s = self.llm.seconds_without_progress()
+            if stuck_s > self.stall_s:
+                raise RuntimeError(f"the engine's step loop has made no progress for {stuck_s:.0f} s")
 
         def info(self) -> dict:
             """What an ingress needs of the model to check calls before it routes them (`RayEngineClient`)."""
@@ -129,6 +155,7 @@ def engine_replica(max_resident_adapters: int):
                 await self._resident(adapter)
             pending: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
             request_ids = call["request_ids"]
+            yield ("received",)
             try:
                 tier = await self.llm.submit_to(call["prompts"], call["params"], request_ids, pending.put_nowait,
                                          adapter=adapter, adapter_path=call["adapter_path"],
@@ -140,15 +167,16 @@ def engine_replica(max_resident_adapters: int):
             except ValueError as e:
                 yield ("invalid", str(e), getattr(e, "param", None))
                 return
-            yield ("accepted", self.name, tier)
             running = set(request_ids)
+            number = next(self._call_numbers)
             calls = self._watch(call.get("caller"))
             if calls is not None:
-                calls[request_ids[0]] = running
+                calls[number] = running
             try:
+                yield ("accepted", self.name, tier)  # inside: a call cancelled here is aborted too
                 while running:
                     try:
-                        outs = list(await asyncio.wait_for(pending.get(), self.heartbeat_s))
+                        outs = list(await within(pending.get(), self.heartbeat_s))
                     except asyncio.TimeoutError:
                         yield []
                         continue
@@ -158,11 +186,11 @@ def engine_replica(max_resident_adapters: int):
                     yield [WireOutput.of(o) for o in outs]
             finally:
                 if calls is not None:
-                    calls.pop(request_ids[0], None)
+                    calls.pop(number, None)
                 if running:  # cancelled by the ingress
                     self.llm.abort_nowait(*running)
 
-        def _watch(self, caller) -> dict[str, set[str]] | None:
+        def _watch(self, caller) -> dict[int, set[str]] | None:
             """The running calls of ingress `caller` (an actor handle; None: a caller Ray cannot name, left
             unwatched), with a watcher task for it started on its first call."""
             if caller is None:
@@ -176,23 +204,24 @@ def engine_replica(max_resident_adapters: int):
                 task.add_done_callback(self._watchers.discard)
             return calls
 
-        async def _check_caller(self, caller, key, calls: dict[str, set[str]]) -> None:
+        async def _check_caller(self, caller, key, calls: dict[int, set[str]]) -> None:
             """While `caller` has calls here, ask Ray every heartbeat_s whether it is alive; once it is dead,
-            abort its calls (nobody reads them: their clients got the proxy's error)."""
+            abort its calls (nobody reads them: their clients got the proxy's error). An ingress that is only
+            unreachable (ActorUnavailableError: restarting, a network fault) or slow to answer is asked again."""
             try:
                 while True:
                     await asyncio.sleep(self.heartbeat_s)
                     if not calls:
                         return
                     try:
-                        await caller.__ray_ready__.remote()
-                    except RayActorError:
+                        await within(caller.__ray_ready__.remote(), 2 * self.heartbeat_s)
+                    except ActorDiedError:
                         orphans = [rid for running in calls.values() for rid in running]
                         logger.warning("ingress %s is gone; aborting its %d request(s) here", key, len(orphans))
                         self.llm.abort_nowait(*orphans)
                         return
-                    except Exception as e:  # unreachable for now (restarting, network): ask again later
-                        logger.info("could not reach ingress %s: %s", key, e)
+                    except Exception as e:  # unreachable for now, or slow: ask again later
+                        logger.info("could not reach ingress %s: %r", key, e)
             finally:
                 if self._callers.get(key) is calls:
                     del self._callers[key]
