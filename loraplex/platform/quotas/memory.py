@@ -69,8 +69,11 @@ class MemoryBackend:
                     d.allowed, d.reason, d.retry_after_ms = False, reason, retry_ms
                     return d
             tickets = self._open.setdefault(op, {})
-            for rid in [r for r, at in tickets.items() if at <= now - OPEN_TICKET_MS]:
-                del tickets[rid]
+            while tickets:  # in admission order: the expired ones are first
+                oldest = next(iter(tickets))
+                if tickets[oldest] > now - OPEN_TICKET_MS:
+                    break
+                del tickets[oldest]
             tickets[request_id] = now
             if limits.max_concurrent_requests is not None:
                 for slot in slot_ids(request_id, num_slots):

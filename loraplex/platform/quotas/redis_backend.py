@@ -9,12 +9,21 @@ from __future__ import annotations
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import (
+    BusyLoadingError,
+    ClusterDownError,
+    MasterDownError,
+    ReadOnlyError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from loraplex.platform.quotas.limits import OPEN_TICKET_MS, Decision, Limits
 
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+# Redis answering, but not taking writes while it fails over or loads (Sentinel, Cluster, a replica promoted)
+FAILING_OVER = (ReadOnlyError, TryAgainError, ClusterDownError, MasterDownError, BusyLoadingError)
 
 # KEYS: rq tk cc bg op. ARGV: rpm tpm max_cc budget (-1: unlimited) cost request_id lease_ms budget_ttl_ms seed (-1: none)
 # num_slots (members request_id, request_id#1, ... as limits.slot_ids)

@@ -4,9 +4,11 @@
 its concurrency slot. With Redis unreachable, `fail_mode` "open" falls back to this process's own
 counters (a local limit) and "closed" refuses with 503; a tenant with a token budget is refused either
 way (budgets fail closed: a local counter cannot know what other processes spent). A settle that cannot
-reach Redis is sent again until it does (every `RESETTLE_S`, at most `MAX_UNSETTLED` held): otherwise a
-short partition would hold the tenant's concurrency slots until their lease ran out (minutes of 429s).
-Sending it twice is safe: the backends give back only once per admitted request (its open ticket).
+reach Redis, or that a failing-over Redis turns away (READONLY, TRYAGAIN, CLUSTERDOWN, MASTERDOWN,
+LOADING), is sent again until it lands (from `RESETTLE_S` apart, at most `MAX_UNSETTLED` held; `close`
+tries them once more and logs what it drops): otherwise a short partition would hold the tenant's
+concurrency slots until their lease ran out (minutes of 429s). Sending it twice is safe: the backends
+give back only once per admitted request (its open ticket).
 """
 
 from __future__ import annotations
@@ -138,11 +140,16 @@ class QuotaService:
             await ticket.backend.settle(ticket.keys, ticket.limits, ticket.request_id, refund, ticket.num_slots,
                                         refund_request=not ran)
         except Exception as exc:
-            if ticket.backend is self.local or not _unreachable(exc):  # lost: the lease and buckets catch up
+            if ticket.backend is self.local or not _retryable(exc):  # lost: the lease and buckets catch up
                 logger.warning("could not settle quota of request %s: %s", ticket.request_id, exc)
                 return
-            logger.warning("could not settle quota of request %s (%s); sending it again once Redis answers",
+            logger.warning("could not settle quota of request %s (%r); sending it again once Redis answers",
                            ticket.request_id, exc)
+            if len(self._unsettled) == self._unsettled.maxlen:
+                dropped = self._unsettled.popleft()[0]
+                logger.error("too many quota settles held (%d): dropped request %s's (tenant %d; its slots "
+                             "free at their lease's end)", len(self._unsettled) + 1, dropped.request_id,
+                             dropped.tenant_id)
             self._unsettled.append((ticket, refund, ran))
             if self._resettler is None or self._resettler.done():
                 self._resettler = asyncio.get_running_loop().create_task(self._resettle())
@@ -152,25 +159,30 @@ class QuotaService:
         """Settles waiting for Redis to answer again."""
         return len(self._unsettled)
 
-    async def _resettle(self) -> None:
-        """Send the held settles again, oldest first, until none is left; waits RESETTLE_S after a failure,
-        doubling up to 8 s while Redis stays unreachable."""
-        wait = RESETTLE_S
+    async def _resettle(self, once: bool = False) -> None:
+        """Send the held settles again, oldest first, until none is left (once: one pass, no wait); waits
+        RESETTLE_S after a failure, doubling up to 8 s while Redis stays unreachable, RESETTLE_S again
+        after a pass that got through."""
+        wait = 0.0 if once else RESETTLE_S
         while self._unsettled:
             await asyncio.sleep(wait)
+            wait = RESETTLE_S
             while self._unsettled:
-                ticket, refund, ran = self._unsettled[0]
+                item = self._unsettled.popleft()  # taken before the await: settle() may drop the oldest
+                ticket, refund, ran = item
                 try:
                     await ticket.backend.settle(ticket.keys, ticket.limits, ticket.request_id, refund,
                                                 ticket.num_slots, refund_request=not ran)
                 except Exception as exc:
-                    if _unreachable(exc):
+                    if _retryable(exc):
+                        self._unsettled.appendleft(item)
                         wait = min(2 * wait, 8.0)
                         break
                     logger.warning("could not settle quota of request %s: %s", ticket.request_id, exc)
-                self._unsettled.popleft()
             else:
                 logger.info("held quota settles sent")
+            if once:
+                return
 
     async def current_use(self, tenant_id: int, limits: Limits) -> CurrentUse:
         """Read-only (the admin dashboard); raises if the store is unreachable."""
@@ -220,9 +232,20 @@ class QuotaService:
             logger.warning("quota store reachable again")
         self.degraded = degraded
 
-    async def close(self) -> None:
+    async def close(self, flush_s: float = 2.0) -> None:
+        """Send the held settles once more (within flush_s), log those still held, close the backend."""
         if self._resettler is not None:
             self._resettler.cancel()
+            await asyncio.gather(self._resettler, return_exceptions=True)
+        if self._unsettled:
+            try:
+                await asyncio.wait_for(self._resettle(once=True), flush_s)
+            except asyncio.TimeoutError:
+                pass
+        if self._unsettled:
+            tenants = sorted({t.tenant_id for t, _, _ in self._unsettled})
+            logger.error("shutting down with %d quota settle(s) Redis never took (tenants %s): their slots free "
+                         "at their lease's end", len(self._unsettled), tenants)
         await self.backend.close()
 
 
@@ -230,3 +253,10 @@ def _unreachable(exc: Exception) -> bool:
     from loraplex.platform.quotas.redis_backend import UNREACHABLE
 
     return isinstance(exc, UNREACHABLE)
+
+
+def _retryable(exc: Exception) -> bool:
+    """Redis unreachable, or turning writes away while it fails over (a settle is safe to send again)."""
+    from loraplex.platform.quotas.redis_backend import FAILING_OVER
+
+    return _unreachable(exc) or isinstance(exc, FAILING_OVER)

@@ -219,6 +219,7 @@ class Partition:
 
     def __init__(self, port: int):
         self.port, self.dropping, self.server = port, False, None
+        self.replies_only = False  # drop only Redis's answers: the commands run, the client hears nothing
 
     async def start(self) -> int:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -227,10 +228,10 @@ class Partition:
     async def _serve(self, reader, writer):
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
 
-        async def pipe(src, dst):
+        async def pipe(src, dst, replies):
             try:
                 while data := await src.read(65536):
-                    if not self.dropping:
+                    if not self.dropping or (self.replies_only and not replies):
                         dst.write(data)
                         await dst.drain()
             except (ConnectionError, OSError):
@@ -238,15 +239,17 @@ class Partition:
             finally:
                 dst.close()
 
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        await asyncio.gather(pipe(reader, up_writer, False), pipe(up_reader, writer, True))
 
     async def close(self):
         self.server.close()
 
 
-def test_a_settle_lost_to_a_partition_is_sent_again_when_redis_answers(redis_server):
+@pytest.mark.parametrize("replies_only", [False, True], ids=["both-ways", "replies-lost"])
+def test_a_settle_lost_to_a_partition_is_sent_again_when_redis_answers(redis_server, replies_only):
     """A settle that times out while Redis is cut off is held and sent again: once the partition heals the
-    tenant's concurrency slot is free in seconds, not after its lease, and its unused tokens come back once."""
+    tenant's concurrency slot is free in seconds, not after its lease, and its unused tokens come back once,
+    whether the first settle never reached Redis or ran there and only its answer was lost."""
     from redis.asyncio import Redis
 
     from loraplex.platform.quotas.service import QuotaService
@@ -262,12 +265,12 @@ def test_a_settle_lost_to_a_partition_is_sent_again_when_redis_answers(redis_ser
             ticket = await service.admit(tenant, limits, cost=60, request_id="a")
             cc = ticket.keys[2]
             assert await direct.zcard(cc) == 1
-            partition.dropping = True
+            partition.dropping, partition.replies_only = True, replies_only
             await service.settle(ticket, 10)  # times out: held
-            assert service.num_unsettled == 1 and await direct.zcard(cc) == 1
+            assert service.num_unsettled == 1 and await direct.zcard(cc) == (0 if replies_only else 1)
             partition.dropping = False
             for _ in range(100):  # the slot is free again within seconds (its lease: 10 minutes)
-                if not await direct.zcard(cc):
+                if not await direct.zcard(cc) and not service.num_unsettled:
                     break
                 await asyncio.sleep(0.1)
             assert await direct.zcard(cc) == 0 and service.num_unsettled == 0
@@ -278,6 +281,33 @@ def test_a_settle_lost_to_a_partition_is_sent_again_when_redis_answers(redis_ser
             assert 40 <= int(again.headers["x-ratelimit-remaining-tokens"]) <= 45, again.headers
         finally:
             await service.close()
+            await direct.aclose()
+            await partition.close()
+
+    asyncio.run(main())
+
+
+def test_settles_held_at_shutdown_are_sent_once_more(redis_server):
+    """close() right after Redis comes back (before the resend's first wait is over) still sends what it
+    holds; the slot is free."""
+    from redis.asyncio import Redis
+
+    from loraplex.platform.quotas.service import QuotaService
+
+    async def main():
+        partition = Partition(int(redis_server.url.rsplit(":", 1)[1].split("/")[0]))
+        port = await partition.start()
+        service = QuotaService(RedisBackend(f"redis://127.0.0.1:{port}/0", timeout_s=0.3))
+        direct = Redis.from_url(redis_server.url, decode_responses=True)
+        limits = Limits(max_concurrent_requests=1)
+        try:
+            ticket = await service.admit(next(_tenants), limits, cost=1, request_id="a")
+            partition.dropping = True
+            await service.settle(ticket, 1)
+            partition.dropping = False
+            await service.close()
+            assert await direct.zcard(ticket.keys[2]) == 0 and service.num_unsettled == 0
+        finally:
             await direct.aclose()
             await partition.close()
 
