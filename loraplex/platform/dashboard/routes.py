@@ -194,7 +194,13 @@ async def save_quota(request: Request, tenant_id: admin.RowId, gw: GatewayDep, o
         with gw.sessions() as s:
             admin.set_quota(tenant_id, body, s, None)
 
-    await asyncio.to_thread(save)
+    try:
+        await asyncio.to_thread(save)
+    except APIError as e:  # the quota as it would be saved is refused (priority under min_priority)
+        if e.status_code != 400:
+            raise
+        return await tenant_page(request, gw, op, tenant_id, 400, error=f"Quota not saved: {e.message}",
+                                 quota_form={k: "" if v is None else v for k, v in values.items()})
     return redirect(f"/admin/ui/tenants/{tenant_id}?notice=quota")
 
 

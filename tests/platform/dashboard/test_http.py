@@ -111,6 +111,14 @@ def test_refusals_are_pages_and_the_json_api_is_unchanged(operator, dash_admin):
     assert r.status_code == 404 and r.headers["content-type"].startswith("text/html") and "999999" in r.text
     r = operator.get("/admin/ui/tenants/999999", params={"start": "yesterday"})
     assert r.status_code == 400
+    r = operator.post(f"/admin/ui/tenants/{tid}/quota", data={"csrf_token": token, "rpm": "5", "priority": "-2"})
+    assert r.status_code == 404  # deleted above; a live tenant's refused quota:
+    live = factories.make_tenant(dash_admin, str(operator.base_url))
+    live.client.close()
+    r = operator.post(f"/admin/ui/tenants/{live.id}/quota", data={"csrf_token": token, "rpm": "5", "priority": "-2"})
+    assert r.status_code == 400 and r.headers["content-type"].startswith("text/html")
+    assert "Quota not saved: priority -2 is more urgent than min_priority 0" in r.text and 'value="-2"' in r.text
+    assert dash_admin.get(f"/admin/tenants/{live.id}/quota").json()["rpm"] != 5  # nothing saved
     for bad in (2**63, "x"):  # past the column's range, not a number: a page, not the JSON API's body
         r = operator.get(f"/admin/ui/tenants/{bad}")
         assert r.status_code == 400 and r.headers["content-type"].startswith("text/html"), (bad, r.text[:200])
