@@ -118,6 +118,30 @@ def load():
     return _module
 
 
+BUILD_WAIT_S = 900.0  # the longest a start waits for another process's build before it goes without the kernels
+
+
+def _wait_for_lock(lock) -> None:
+    """Take the build lock `lock` (an open file); while another process holds it (building: minutes on an
+    old 2-core CPU), say so, again every minute, and give up after BUILD_WAIT_S (TimeoutError: the
+    kernels are optional, and a holder that is stopped or hung must not keep the server from starting)."""
+    start = time.monotonic()
+    said = None
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            waited = time.monotonic() - start
+            if waited >= BUILD_WAIT_S:
+                raise TimeoutError(f"another process held the build lock {lock.name} for {waited:.0f} s") from None
+            if said is None or waited - said >= 60:
+                logger.warning("waiting for another process to finish building the CPU kernels (lock %s; %.0f s "
+                               "so far)", lock.name, waited)
+                said = waited
+            time.sleep(0.2)
+
+
 def _build():
     from torch.utils import cpp_extension
 
@@ -127,12 +151,7 @@ def _build():
         build_dir = build_root() / name
         build_dir.mkdir(parents=True, exist_ok=True)
         with open(build_root() / f"{name}.lock", "w") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # another process builds it: wait for it, then load (say so: minutes)
-                logger.warning("waiting for another process to finish building the CPU kernels (%s holds it)",
-                               lock.name)
-                fcntl.flock(lock, fcntl.LOCK_EX)
+            _wait_for_lock(lock)
             (build_dir / "lock").unlink(missing_ok=True)  # PyTorch's, left by a killed build: stale
             if not (build_dir / f"{name}.so").exists():
                 logger.warning("building the CPU kernels (once per machine and checkout: under a minute on a "

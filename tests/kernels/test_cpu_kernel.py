@@ -77,9 +77,10 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start(monkeypatch)
     assert not (cpu_ext.build_root() / cpu_ext.module_name() / "lock").exists()
 
 
-def test_a_start_that_waits_for_another_process_building_says_so(monkeypatch, caplog):
+def test_a_start_that_waits_for_another_process_building_says_so(ext, monkeypatch, caplog):
     """The build lock held by another process (here: this test, through another open file, which flock
-    treats as another holder): the loader logs that it waits, instead of a silent start that looks hung."""
+    treats as another holder): the loader logs that it waits, instead of a silent start that looks hung.
+    (`ext`: built already, so the loader only loads once the lock is free.)"""
     import fcntl
     import logging
     import threading
@@ -99,6 +100,22 @@ def test_a_start_that_waits_for_another_process_building_says_so(monkeypatch, ca
         fcntl.flock(held, fcntl.LOCK_UN)
     loader.join(timeout=120)
     assert not loader.is_alive() and cpu_ext._module is not None
+
+
+def test_a_build_lock_held_past_the_limit_leaves_the_kernels_off(ext, monkeypatch, caplog):
+    """A holder that never lets go (stopped, hung): after BUILD_WAIT_S the start goes on without the
+    kernels, and says why."""
+    import fcntl
+    import logging
+
+    monkeypatch.setattr(cpu_ext, "_tried", False)
+    monkeypatch.setattr(cpu_ext, "_module", None)
+    monkeypatch.setattr(cpu_ext, "BUILD_WAIT_S", 1.0)
+    with open(cpu_ext.build_root() / f"{cpu_ext.module_name()}.lock", "w") as held, \
+            caplog.at_level(logging.WARNING, logger=cpu_ext.logger.name):
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert cpu_ext.load() is None
+    assert "CPU kernels not built (TimeoutError: another process held the build lock" in caplog.text
 
 
 def _args(case):
