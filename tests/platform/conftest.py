@@ -6,6 +6,8 @@ default model. Tests isolate themselves by making their own tenants (factories.m
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from tests.platform import factories
@@ -19,6 +21,15 @@ def redis_server():
     server = RedisServer().start()
     yield server
     server.kill()
+
+
+@pytest.fixture(scope="session")
+def redis_db(redis_server):
+    """redis_db() -> the session's redis-server on a database no other app of the session uses. Each app
+    (its own SQLite file) numbers its tenants from 1 and keeps its quota counters by tenant id, so two apps
+    on one database would count each other's requests. Database 0 is the shared `server` app's."""
+    numbers = itertools.count(1)
+    return lambda: f"redis://127.0.0.1:{redis_server.port}/{next(numbers)}"
 
 
 @pytest.fixture(scope="session")

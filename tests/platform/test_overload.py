@@ -34,15 +34,16 @@ MAX_NUM_SEQS = 16
 
 
 @pytest.fixture
-def serve(tmp_path, redis_server, model_path):
+def serve(tmp_path, redis_db, model_path):
     """serve(**env) -> a started `loraplex serve` with max_num_seqs 16 and its admin key."""
     procs = []
+    redis_url = redis_db()  # the processes of one test share their tenants, so one database
 
     def start(**env):
         admin_key = new_key()
         full = {"LORAPLEX_HOME": str(tmp_path / "home"), "LORAPLEX_MODEL": str(model_path),
                 "LORAPLEX_DTYPE": "float32", "LORAPLEX_KV_CACHE_MEMORY": str(64 << 20),
-                "LORAPLEX_MAX_NUM_SEQS": str(MAX_NUM_SEQS), "LORAPLEX_REDIS_URL": redis_server.url,
+                "LORAPLEX_MAX_NUM_SEQS": str(MAX_NUM_SEQS), "LORAPLEX_REDIS_URL": redis_url,
                 "LORAPLEX_ADMIN_KEY": admin_key, **env}
         proc = ServeProcess(full, tmp_path / f"serve-{len(procs)}.log").wait_ready()
         proc.admin_key = admin_key

@@ -20,9 +20,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def two_processes(tmp_path, redis_server, model_path):
+def two_processes(tmp_path, redis_db, model_path):
     env = {"LORAPLEX_HOME": str(tmp_path / "home"), "LORAPLEX_MODEL": str(model_path), "LORAPLEX_DTYPE": "float32",
-           "LORAPLEX_KV_CACHE_MEMORY": str(64 << 20), "LORAPLEX_REDIS_URL": redis_server.url,
+           "LORAPLEX_KV_CACHE_MEMORY": str(64 << 20), "LORAPLEX_REDIS_URL": redis_db(),
            "LORAPLEX_ENVIRONMENT": "production"}
     procs = []
     try:

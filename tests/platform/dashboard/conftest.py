@@ -25,9 +25,9 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 
 
 @pytest.fixture(scope="session")
-def dash_server(make_settings, start_app, redis_server):
+def dash_server(make_settings, start_app, redis_db):
     """An app of its own, so the overview lists only this module's tenants."""
-    return start_app(make_settings(redis_url=redis_server.url))
+    return start_app(make_settings(redis_url=redis_db()))
 
 
 @pytest.fixture(scope="session")

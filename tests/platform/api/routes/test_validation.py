@@ -132,9 +132,9 @@ def test_a_hostile_fan_out_is_refused_at_once(make_tenant):
 
 
 @pytest.fixture(scope="module")
-def strict(make_settings, start_app, redis_server, admin):
+def strict(make_settings, start_app, redis_db, admin):
     """An app on the shared engine with small per-call limits."""
-    server = start_app(make_settings(redis_url=redis_server.url, max_n=2, max_sequences_per_request=4,
+    server = start_app(make_settings(redis_url=redis_db(), max_n=2, max_sequences_per_request=4,
                                      max_prompt_tokens_per_request=100, max_tokens_limit=8, max_request_bytes=4096))
     with factories.client(server.url, server.settings.admin_key.get_secret_value()) as c:
         tenant = factories.make_tenant(c, server.url)
