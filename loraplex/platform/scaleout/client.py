@@ -10,8 +10,9 @@ Faults, as the routes answer them:
 - the replica refuses the call: EngineOverloadedError (503 `server_overloaded`) or ValueError (400);
 - Serve's queue in front of the replicas is full (`BackPressureError`): EngineOverloadedError;
 - the replica is gone before it receives the call, or does not receive it within `accept_timeout_s`
-  (hung, or none running while Serve starts one): tried on another replica, up to `SUBMIT_ATTEMPTS`
-  times, then 503 `replica_unavailable`; at once, without a try, while Serve reports no engine replica
+  (hung, or none running while Serve starts one): tried again, routed by queue length alone (without
+  the adapter's affinity, which would pick the hung holder again), up to `SUBMIT_ATTEMPTS` times, then
+  503 `replica_unavailable`; at once, without a try, while Serve reports no engine replica
   RUNNING (asked every `STATUS_S` in the background; /health answers 503 then too); nothing ran, so
   nothing is charged. Once a replica has the call (its "received" item), the call is not sent elsewhere:
   if the replica then dies or stays silent for `stall_timeout_s` before queueing it, 503 as well;
@@ -160,14 +161,17 @@ class RayEngineClient(EngineClient):
                         tenant_weight: float = 1.0) -> Placement:
         """Queue one call on a replica, all or none; returns the replica's name and where the adapter was
         there. Raises as the module says."""
-        payload = {"prompts": prompts, "params": params, "request_ids": request_ids, "adapter_path": adapter_path,
-                   "adapter_digest": adapter_digest, "tenant_id": tenant_id, "tenant_weight": tenant_weight,
-                   "caller": self._caller}
-        handle = self.handle.options(stream=True, multiplexed_model_id=adapter or "")
+        payload = {"prompts": prompts, "params": params, "request_ids": request_ids, "adapter": adapter,
+                   "adapter_path": adapter_path, "adapter_digest": adapter_digest, "tenant_id": tenant_id,
+                   "tenant_weight": tenant_weight, "caller": self._caller}
+        by_adapter = self.handle.options(stream=True, multiplexed_model_id=adapter or "")
+        by_load = self.handle.options(stream=True)
         for attempt in range(1, SUBMIT_ATTEMPTS + 1):
             if self.num_running_replicas == 0:  # a try would only wait for Serve to start one
                 raise replica_lost()
-            stream = handle.generate.remote(payload)
+            # A retry goes by queue length alone: the replica holding the adapter may be the hung one, which
+            # the router's queue-length cache (10 s) still shows as short.
+            stream = (by_adapter if attempt == 1 else by_load).generate.remote(payload)
             try:
                 await within(stream.__anext__(), self.accept_timeout_s)  # ("received",)
                 break

@@ -1,7 +1,8 @@
 """`EngineReplica`: one engine (`AsyncLLM`) as a Ray Serve replica, and the wire format of its stream.
 
 A call arrives as one streaming request (`generate`) whose Serve multiplexed model id is the call's
-engine adapter name ("" for the base model). The replica marks the adapter used through
+engine adapter name ("" for the base model, and for a retry that the ingress routes by load alone; the
+call names its adapter too). The replica marks the adapter used through
 `serve.multiplexed`, which is how Ray Serve learns which replica holds which adapter (each replica
 reports its ids to the routers; `router.AdapterAffinityRouter` reads them). The adapter itself is
 loaded by the engine from the shared adapter store path in the call, on its load thread, exactly as in
@@ -150,7 +151,8 @@ def engine_replica(max_resident_adapters: int):
 
         async def generate(self, call: dict):
             """Run one call (`AsyncLLM.submit_to`'s arguments as a dict) and stream it as the module says."""
-            adapter = serve.get_multiplexed_model_id() or None
+            # the call's adapter: its multiplexed id, except on a retry routed by load alone (no id)
+            adapter = call.get("adapter") or serve.get_multiplexed_model_id() or None
             if adapter is not None:
                 await self._resident(adapter)
             pending: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
