@@ -137,8 +137,7 @@ class QuotaService:
         or refused it before anything ran) also gives back its unit of the RPM bucket. Never raises."""
         refund = max(0, ticket.cost - num_tokens_used)
         try:
-            await ticket.backend.settle(ticket.keys, ticket.limits, ticket.request_id, refund, ticket.num_slots,
-                                        refund_request=not ran)
+            await _send(ticket, refund, ran)
         except Exception as exc:
             if ticket.backend is self.local or not _retryable(exc):  # lost: the lease and buckets catch up
                 logger.warning("could not settle quota of request %s: %s", ticket.request_id, exc)
@@ -169,16 +168,14 @@ class QuotaService:
             wait = RESETTLE_S
             while self._unsettled:
                 item = self._unsettled.popleft()  # taken before the await: settle() may drop the oldest
-                ticket, refund, ran = item
                 try:
-                    await ticket.backend.settle(ticket.keys, ticket.limits, ticket.request_id, refund,
-                                                ticket.num_slots, refund_request=not ran)
+                    await _send(*item)
                 except Exception as exc:
                     if _retryable(exc):
                         self._unsettled.appendleft(item)
                         wait = min(2 * wait, 8.0)
                         break
-                    logger.warning("could not settle quota of request %s: %s", ticket.request_id, exc)
+                    logger.warning("could not settle quota of request %s: %s", item[0].request_id, exc)
             else:
                 logger.info("held quota settles sent")
             if once:
@@ -247,6 +244,12 @@ class QuotaService:
             logger.error("shutting down with %d quota settle(s) Redis never took (tenants %s): their slots free "
                          "at their lease's end", len(self._unsettled), tenants)
         await self.backend.close()
+
+
+async def _send(ticket: Ticket, refund: int, ran: bool) -> None:
+    """One settle of `ticket` on its backend: its slots, `refund` tokens, and its RPM unit unless it ran."""
+    await ticket.backend.settle(ticket.keys, ticket.limits, ticket.request_id, refund, ticket.num_slots,
+                                refund_request=not ran)
 
 
 def _unreachable(exc: Exception) -> bool:

@@ -255,7 +255,7 @@ def test_a_settle_lost_to_a_partition_is_sent_again_when_redis_answers(redis_ser
     from loraplex.platform.quotas.service import QuotaService
 
     async def main():
-        partition = Partition(int(redis_server.url.rsplit(":", 1)[1].split("/")[0]))
+        partition = Partition(redis_server.port)
         port = await partition.start()
         service = QuotaService(RedisBackend(f"redis://127.0.0.1:{port}/0", timeout_s=0.3), lease_s=600)
         direct = Redis.from_url(redis_server.url, decode_responses=True)
@@ -295,7 +295,7 @@ def test_settles_held_at_shutdown_are_sent_once_more(redis_server):
     from loraplex.platform.quotas.service import QuotaService
 
     async def main():
-        partition = Partition(int(redis_server.url.rsplit(":", 1)[1].split("/")[0]))
+        partition = Partition(redis_server.port)
         port = await partition.start()
         service = QuotaService(RedisBackend(f"redis://127.0.0.1:{port}/0", timeout_s=0.3))
         direct = Redis.from_url(redis_server.url, decode_responses=True)
