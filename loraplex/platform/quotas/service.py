@@ -170,6 +170,9 @@ class QuotaService:
                 item = self._unsettled.popleft()  # taken before the await: settle() may drop the oldest
                 try:
                     await _send(*item)
+                except asyncio.CancelledError:  # close(), or its flush's deadline: the settle stays held
+                    self._unsettled.appendleft(item)
+                    raise
                 except Exception as exc:
                     if _retryable(exc):
                         self._unsettled.appendleft(item)

@@ -312,3 +312,26 @@ def test_settles_held_at_shutdown_are_sent_once_more(redis_server):
             await partition.close()
 
     asyncio.run(main())
+
+
+def test_a_resend_cut_short_by_close_keeps_its_settle():
+    """close() cancelling the resend while a settle is on its way (Redis not answering) neither loses that
+    settle nor counts it as sent: it is still held, so close() names it in its log."""
+    from loraplex.platform.quotas.service import QuotaService, Ticket
+
+    class Hanging(MemoryBackend):
+        async def settle(self, *args, **kwargs):
+            await asyncio.sleep(3600)
+
+    async def main():
+        backend = Hanging()
+        service = QuotaService(backend)
+        ticket = Ticket(1, Limits(), "a", 1, keys(1, budget_period("month", utcnow())), backend)
+        service._unsettled.append((ticket, 0, True))
+        resend = asyncio.ensure_future(service._resettle(once=True))
+        await asyncio.sleep(0.05)  # the resend waits on the hanging settle
+        resend.cancel()
+        await asyncio.gather(resend, return_exceptions=True)
+        assert service.num_unsettled == 1
+
+    asyncio.run(main())
