@@ -201,12 +201,16 @@ class Completions:
 
     async def _finalize(self, caller: Caller, c: Completion, gen: Generation, ticket: Ticket) -> None:
         """Once the engine requests end: release the adapter, settle the quota, record usage and metrics."""
-        await gen.wait()
-        if c.engine_adapter is not None:
-            self.engine.release(c.engine_adapter)
-        num_completion = gen.num_completion_tokens
-        ran = not all(ch.adapter_failed for ch in gen.choices)  # else its adapter never loaded: nothing is charged
-        num_prompt = c.num_prompt_tokens if ran else 0
+        try:
+            await gen.wait()
+            if c.engine_adapter is not None:
+                self.engine.release(c.engine_adapter)
+            num_completion = gen.num_completion_tokens
+            ran = not all(ch.adapter_failed for ch in gen.choices)  # else its adapter never loaded: not charged
+            num_prompt = c.num_prompt_tokens if ran else 0
+        except Exception:  # settle all the same (charged in full): the quota renews an unsettled call's slots
+            await self.quotas.settle(ticket, ticket.cost)
+            raise
         await self.quotas.settle(ticket, num_prompt + num_completion, ran=ran)
         if any(ch.error is not None for ch in gen.choices):
             status = "error"

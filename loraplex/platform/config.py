@@ -84,7 +84,9 @@ class Settings(BaseSettings):
     redis_url: str | None = None  # unset: in-process quota counters (one gateway process)
     redis_timeout_s: float = 0.5
     quota_fail_mode: Literal["open", "closed"] = "open"  # Redis unreachable: local limits, or 503
-    concurrency_lease_s: float = 600.0  # a crashed process's concurrency slots expire after this
+    # a concurrency slot outlives the last renewal by its process (every third of it) by this: a process that
+    # dies frees its calls' slots within it
+    concurrency_lease_s: float = Field(30.0, ge=1.0)
     db_pool_size: int | None = Field(None, ge=1)  # None: sized for the gateway's worker threads (db.py)
 
     # scale-out (`--replicas`): a call stays on a replica holding its adapter unless that replica has this

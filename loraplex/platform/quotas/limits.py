@@ -6,7 +6,8 @@ Semantics (the in-process backend in Python, the Redis backend in Lua, tested ag
   continuously): with limit L, each unit advances the tenant's theoretical arrival time (TAT) by
   T = 60 s / L, and a request of cost c is admitted when max(TAT, now) + c*T - now <= 60 s. No window
   edges, so no double burst at a minute boundary. Refunds move TAT back, never before now.
-- concurrent requests: a set of slots, each with a lease (a crashed process's slots expire). A call
+- concurrent requests: a set of slots, each with a lease that the process running the call renews (so a
+  dead process's slots expire, and a renewal never brings back a settled call's). A call
   holds one slot per sequence it runs (n x prompts), named by `slot_ids`, so a fan-out counts as the
   requests it is; a call of more sequences than the limit is refused outright (too large).
 - a token budget per calendar period (UTC day, ISO week or month): a counter per period, seeded from

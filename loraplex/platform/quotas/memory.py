@@ -125,6 +125,22 @@ class MemoryBackend:
                 self._budget[bg] = (max(0, used - refund), expires)
             return True
 
+    async def renew(self, keys: list[str], calls: list[tuple[str, int]], lease_ms: float) -> int:
+        """Extend to now + lease_ms the concurrency slots of `calls` ((request id, slots) a live process still
+        runs), each only while its ticket is open: a settle is never undone, and slots that expired while the
+        process could not renew come back. Returns how many calls were renewed."""
+        rq, tk, cc, bg, op = keys
+        with self._lock:
+            until = self.now_ms() + lease_ms
+            tickets, leases = self._open.get(op, {}), self._leases.setdefault(cc, {})
+            renewed = 0
+            for request_id, num_slots in calls:
+                if request_id in tickets:
+                    for slot in slot_ids(request_id, num_slots):
+                        leases[slot] = until
+                    renewed += 1
+            return renewed
+
     async def peek(self, keys: list[str]) -> tuple[float, float | None, float | None, int]:
         """(now ms, request TAT, token TAT, requests in flight), changing nothing."""
         rq, tk, cc = keys[:3]

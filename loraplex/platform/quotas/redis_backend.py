@@ -118,6 +118,27 @@ if u then redis.call('SET', bg, string.format('%d', math.max(0, tonumber(u) - re
 return 1
 """
 
+# KEYS: cc op. ARGV: lease_ms, then request_id num_slots per call this process still runs. Extends their
+# slots' leases to now + lease_ms, only while the call's ticket is open: a settle that got in first is not
+# undone, and slots that expired while Redis was unreachable come back. Returns how many calls it renewed.
+RENEW_LUA = """
+local cc, op = KEYS[1], KEYS[2]
+local lease_ms = tonumber(ARGV[1])
+local t = redis.call('TIME')
+local until_ms = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000 + lease_ms
+local renewed = 0
+for i = 2, #ARGV, 2 do
+  local rid, num_slots = ARGV[i], tonumber(ARGV[i + 1])
+  if redis.call('ZSCORE', op, rid) then
+    redis.call('ZADD', cc, until_ms, rid)
+    for j = 1, num_slots - 1 do redis.call('ZADD', cc, until_ms, rid .. '#' .. j) end
+    renewed = renewed + 1
+  end
+end
+if renewed > 0 then redis.call('PEXPIRE', cc, math.ceil(lease_ms)) end
+return renewed
+"""
+
 # KEYS: rq tk cc. Read-only: now, request TAT, token TAT ('' when unset), requests in flight
 PEEK_LUA = """
 local t = redis.call('TIME')
@@ -138,6 +159,7 @@ class RedisBackend:
         self._admit = self.client.register_script(ADMIT_LUA)
         self._settle = self.client.register_script(SETTLE_LUA)
         self._peek = self.client.register_script(PEEK_LUA)
+        self._renew = self.client.register_script(RENEW_LUA)
 
     async def admit(self, keys: list[str], limits: Limits, cost: int, request_id: str, *, lease_ms: float,
                     budget_ttl_ms: float, budget_seed: int | None = None, num_slots: int = 1) -> Decision:
@@ -157,6 +179,13 @@ class RedisBackend:
         """`MemoryBackend.settle`, atomically in Redis."""
         return bool(int(await self._settle(keys=keys, args=[_arg(limits.rpm), _arg(limits.tpm), request_id,
                                                             max(0, refund), num_slots, int(refund_request)])))
+
+    async def renew(self, keys: list[str], calls: list[tuple[str, int]], lease_ms: float) -> int:
+        """`MemoryBackend.renew`, atomically in Redis."""
+        args: list = [lease_ms]
+        for request_id, num_slots in calls:
+            args += [request_id, num_slots]
+        return int(await self._renew(keys=[keys[2], keys[4]], args=args))
 
     async def peek(self, keys: list[str]) -> tuple[float, float | None, float | None, int]:
         """(now ms, request TAT, token TAT, requests in flight) on Redis's clock, changing nothing."""

@@ -1,13 +1,16 @@
 """Admission: one atomic check of every per-tenant limit, turned into OpenAI's 429s and headers.
 
 `admit` reserves prompt tokens + max_tokens; `settle` gives back what the request did not use and frees
-its concurrency slot. With Redis unreachable, `fail_mode` "open" falls back to this process's own
+its concurrency slot. A slot has a short lease (`lease_s`, 30 s by default) that the process running the
+call renews every third of it, so a process that dies (killed, out of memory, a Ray ingress lost) frees
+its calls' slots within one lease, and a call that runs longer than the lease keeps its slot: a
+heartbeat lease, as Redis's distributed-lock pattern extends its locks. With Redis unreachable, `fail_mode` "open" falls back to this process's own
 counters (a local limit) and "closed" refuses with 503; a tenant with a token budget is refused either
 way (budgets fail closed: a local counter cannot know what other processes spent). A settle that cannot
 reach Redis, or that a failing-over Redis turns away (READONLY, TRYAGAIN, CLUSTERDOWN, MASTERDOWN,
 LOADING), is sent again until it lands (from `RESETTLE_S` apart, at most `MAX_UNSETTLED` held; `close`
 tries them once more and logs what it drops): otherwise a short partition would hold the tenant's
-concurrency slots until their lease ran out (minutes of 429s). Sending it twice is safe: the backends
+concurrency slots until their lease ran out, and keep its unused tokens charged. Sending it twice is safe: the backends
 give back only once per admitted request (its open ticket).
 """
 
@@ -79,10 +82,11 @@ def rate_limit_headers(limits: Limits, d: Decision) -> dict[str, str]:
 
 
 class QuotaService:
-    def __init__(self, backend, *, fail_mode: str = "open", lease_s: float = 600.0,
+    def __init__(self, backend, *, fail_mode: str = "open", lease_s: float = 30.0,
                  budget_seed: Callable[[int, object], int] | None = None):
-        """backend: a RedisBackend or MemoryBackend. budget_seed(tenant_id, period_start_date) -> tokens
-        used so far in the period according to the database (blocking; run in a thread)."""
+        """backend: a RedisBackend or MemoryBackend. lease_s: how long a concurrency slot outlives the last
+        renewal by its process (renewed every lease_s / 3). budget_seed(tenant_id, period_start_date) ->
+        tokens used so far in the period according to the database (blocking; run in a thread)."""
         self.backend = backend
         self.local = backend if isinstance(backend, MemoryBackend) else MemoryBackend()
         self.fail_mode = fail_mode
@@ -91,6 +95,8 @@ class QuotaService:
         self.degraded = False  # True while Redis is unreachable
         self._unsettled: collections.deque[tuple[Ticket, int, bool]] = collections.deque(maxlen=MAX_UNSETTLED)
         self._resettler: asyncio.Task | None = None
+        self._running: dict[str, Ticket] = {}  # admitted, not yet settled, holding concurrency slots
+        self._renewer: asyncio.Task | None = None
 
     async def admit(self, tenant_id: int, limits: Limits, cost: int, request_id: str,
                     num_sequences: int = 1, sequences_param: str = "n") -> Ticket:
@@ -130,12 +136,19 @@ class QuotaService:
                                     num_slots=num_sequences)
         if not d.allowed:
             raise self._refusal(limits, cost, d, period)
-        return Ticket(tenant_id, limits, request_id, cost, ks, backend, rate_limit_headers(limits, d), num_sequences)
+        ticket = Ticket(tenant_id, limits, request_id, cost, ks, backend, rate_limit_headers(limits, d),
+                        num_sequences)
+        if cc_limit is not None:
+            self._running[request_id] = ticket
+            if self._renewer is None or self._renewer.done():
+                self._renewer = asyncio.get_running_loop().create_task(self._renew())
+        return ticket
 
     async def settle(self, ticket: Ticket, num_tokens_used: int, *, ran: bool = True) -> None:
         """Free the concurrency slots and refund the unused reservation; ran=False (the engine shed the call
         or refused it before anything ran) also gives back its unit of the RPM bucket. Never raises."""
         refund = max(0, ticket.cost - num_tokens_used)
+        self._running.pop(ticket.request_id, None)  # renewed no more: held settles' slots expire in one lease
         try:
             await _send(ticket, refund, ran)
         except Exception as exc:
@@ -152,6 +165,36 @@ class QuotaService:
             self._unsettled.append((ticket, refund, ran))
             if self._resettler is None or self._resettler.done():
                 self._resettler = asyncio.get_running_loop().create_task(self._resettle())
+
+    async def _renew(self) -> None:
+        """Every lease / 3 while calls run, extend their slots' leases: one script per tenant and backend.
+        A renewal that fails is logged and tried at the next beat (two more before the slots expire)."""
+        failing = False
+        while self._running:
+            await asyncio.sleep(self.lease_ms / 3000.0)
+            groups: dict[tuple[int, str], list[Ticket]] = {}
+            for t in list(self._running.values()):
+                groups.setdefault((id(t.backend), t.keys[2]), []).append(t)
+            failed = False
+            for group in groups.values():
+                calls = [(t.request_id, t.num_slots) for t in group if t.request_id in self._running]
+                try:
+                    await group[0].backend.renew(group[0].keys, calls, self.lease_ms)
+                except Exception as exc:
+                    if not failing and not failed:
+                        logger.warning("could not renew the concurrency leases of tenant %d's %d running "
+                                       "call(s): %r", group[0].tenant_id, len(calls), exc)
+                    failed = True
+                    if _retryable(exc):
+                        break  # the store is unreachable for every tenant: try them all at the next beat
+            if failing and not failed:
+                logger.info("concurrency leases renewed again")
+            failing = failed
+
+    @property
+    def num_running(self) -> int:
+        """Calls admitted with a concurrency limit and not yet settled: this process renews their leases."""
+        return len(self._running)
 
     @property
     def num_unsettled(self) -> int:
@@ -234,6 +277,9 @@ class QuotaService:
 
     async def close(self, flush_s: float = 2.0) -> None:
         """Send the held settles once more (within flush_s), log those still held, close the backend."""
+        if self._renewer is not None:
+            self._renewer.cancel()
+            await asyncio.gather(self._renewer, return_exceptions=True)
         if self._resettler is not None:
             self._resettler.cancel()
             await asyncio.gather(self._resettler, return_exceptions=True)

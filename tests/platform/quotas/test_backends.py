@@ -115,6 +115,150 @@ def test_concurrency_slots_are_released_and_leases_expire(make_backend):
     run(make_backend, scenario)
 
 
+def test_a_renewal_extends_open_calls_only(make_backend):
+    """A renewal extends the slots of calls whose ticket is still open, and brings back slots that expired
+    (the process could not reach the store for a lease); a call settled in the meantime stays released."""
+    async def scenario(b, ks):
+        limits = Limits(max_concurrent_requests=3)
+        assert (await admit(b, ks, limits, rid="a", lease_ms=400, num_slots=2)).allowed
+        assert (await admit(b, ks, limits, rid="b", lease_ms=400)).allowed
+        await b.settle(ks, limits, "b", refund=0)
+        await asyncio.sleep(0.2)
+        assert await b.renew(ks, [("a", 2), ("b", 1)], 400) == 1  # "b" was settled: not renewed
+        await asyncio.sleep(0.3)  # past "a"'s first lease, inside the renewed one
+        assert (await b.peek(ks))[3] == 2
+        assert not (await admit(b, ks, limits, rid="c", lease_ms=400, num_slots=2)).allowed
+        await asyncio.sleep(0.2)  # now expired
+        assert (await b.peek(ks))[3] == 0
+        assert await b.renew(ks, [("a", 2)], 60_000) == 1  # the call still runs: its slots come back
+        assert (await b.peek(ks))[3] == 2
+        assert not (await admit(b, ks, limits, rid="c", num_slots=2)).allowed
+
+    run(make_backend, scenario)
+
+
+def test_a_running_call_keeps_its_slot_past_the_lease(make_backend):
+    """The service renews the slots of the calls it runs, so a call longer than the lease does not let
+    another one in over the limit; settled, it is renewed no more."""
+    from loraplex.platform.errors import APIError
+    from loraplex.platform.quotas.service import QuotaService
+
+    async def main():
+        service = QuotaService(make_backend(), lease_s=0.3)
+        tenant, limits = next(_tenants), Limits(max_concurrent_requests=1)
+        try:
+            ticket = await service.admit(tenant, limits, cost=1, request_id="a")
+            assert service.num_running == 1
+            await asyncio.sleep(1.0)  # three leases
+            with pytest.raises(APIError) as refused:
+                await service.admit(tenant, limits, cost=1, request_id="b")
+            assert refused.value.status_code == 429 and "Too many concurrent requests" in refused.value.message
+            await service.settle(ticket, 1)
+            assert service.num_running == 0
+            second = await service.admit(tenant, limits, cost=1, request_id="b")
+            await service.settle(second, 1)
+        finally:
+            await service.close()
+
+    asyncio.run(main())
+
+
+KILLED_HOLDER = """
+import asyncio, sys
+from loraplex.platform.quotas.limits import Limits
+from loraplex.platform.quotas.redis_backend import RedisBackend
+from loraplex.platform.quotas.service import QuotaService
+
+async def main():
+    service = QuotaService(RedisBackend(sys.argv[1]), lease_s=float(sys.argv[3]))
+    await service.admit(int(sys.argv[2]), Limits(max_concurrent_requests=1), cost=1, request_id="held")
+    print("admitted", flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def test_a_killed_process_frees_its_slots_within_one_lease(redis_server):
+    """A gateway process killed mid-call (SIGKILL: no settle, no shutdown) holds its tenant's slot only
+    until its lease runs out; alive, it keeps the slot well past the lease."""
+    import subprocess
+    import sys
+
+    from loraplex.platform.errors import APIError
+    from loraplex.platform.quotas.service import QuotaService
+
+    tenant, lease_s = next(_tenants), 1.0
+    holder = subprocess.Popen([sys.executable, "-c", KILLED_HOLDER, redis_server.url, str(tenant), str(lease_s)],
+                              stdout=subprocess.PIPE, text=True)
+
+    async def main():
+        service = QuotaService(RedisBackend(redis_server.url), lease_s=lease_s)
+        limits = Limits(max_concurrent_requests=1)
+        try:
+            await asyncio.sleep(2.5 * lease_s)  # the holder renews its slot
+            with pytest.raises(APIError):
+                await service.admit(tenant, limits, cost=1, request_id="mine")
+            holder.kill()
+            holder.wait()
+            killed = time.monotonic()
+            while True:
+                try:
+                    ticket = await service.admit(tenant, limits, cost=1, request_id="mine")
+                    break
+                except APIError:
+                    assert time.monotonic() - killed < lease_s + 1.0, "the killed process's slot was not freed"
+                    await asyncio.sleep(0.05)
+            await service.settle(ticket, 1)
+        finally:
+            await service.close()
+
+    try:
+        assert holder.stdout.readline().strip() == "admitted"
+        asyncio.run(main())
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_slots_that_expired_in_a_partition_come_back_when_it_heals(redis_server):
+    """A call that outlives a partition longer than its lease holds its slot again once Redis answers."""
+    from redis.asyncio import Redis
+
+    from loraplex.platform.quotas.service import QuotaService
+
+    async def main():
+        partition = Partition(redis_server.port)
+        port = await partition.start()
+        service = QuotaService(RedisBackend(f"redis://127.0.0.1:{port}/0", timeout_s=0.2), lease_s=1.0)
+        direct = Redis.from_url(redis_server.url, decode_responses=True)
+
+        async def held(cc):  # slots whose lease has not run out, on Redis's clock
+            now = await direct.time()
+            return await direct.zcount(cc, f"({now[0] * 1000 + now[1] / 1000:.3f}", "+inf")
+
+        try:
+            ticket = await service.admit(next(_tenants), Limits(max_concurrent_requests=1), cost=1, request_id="a")
+            cc = ticket.keys[2]
+            partition.dropping = True
+            await asyncio.sleep(1.5)
+            assert await held(cc) == 0  # expired: this process could not renew it
+            partition.dropping = False
+            for _ in range(40):
+                if await held(cc):
+                    break
+                await asyncio.sleep(0.05)
+            assert await held(cc) == 1
+            await service.settle(ticket, 1)
+            assert await held(cc) == 0
+        finally:
+            await service.close()
+            await direct.aclose()
+            await partition.close()
+
+    asyncio.run(main())
+
+
 def test_a_fan_out_holds_a_slot_per_sequence_and_releases_them_together(make_backend):
     async def scenario(b, ks):
         limits = Limits(max_concurrent_requests=4)
