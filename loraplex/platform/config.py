@@ -101,6 +101,7 @@ class Settings(BaseSettings):
     shutdown_grace_s: float = Field(25.0, ge=0)  # SIGTERM: running requests get this long to finish (serve.py)
 
     admin_key: SecretStr | None = None
+    metrics_auth: bool = False  # GET /metrics takes an admin key (its series name tenants)
     max_upload_bytes: int = Field(512 << 20, gt=0)
     default_max_tokens: int = Field(256, ge=1)
 

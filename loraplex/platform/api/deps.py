@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.platform import crud
 from loraplex.platform.completion import Completions
-from loraplex.platform.config import QuotaDefaults
+from loraplex.platform.config import QuotaDefaults, Settings
 from loraplex.platform.engine_client import EngineClient
 from loraplex.platform.errors import invalid_api_key, permission_denied
 from loraplex.platform.gateway import Gateway
@@ -66,6 +66,7 @@ CompletionsDep = Annotated[Completions, Depends(part("completions"))]
 TenantAdaptersDep = Annotated[TenantAdapters, Depends(part("adapters"))]
 LifecycleDep = Annotated[Lifecycle, Depends(part("lifecycle"))]
 QuotaDefaultsDep = Annotated[QuotaDefaults, Depends(part("quota_defaults"))]
+SettingsDep = Annotated[Settings, Depends(part("settings"))]
 
 
 def get_db(sessions: SessionsDep) -> Generator[Session, None, None]:
@@ -224,3 +225,13 @@ def get_admin(key: ApiKeyDep) -> Identity:
 
 
 AdminKey = Annotated[Identity, Depends(get_admin)]
+
+
+async def metrics_access(settings: SettingsDep, sessions: SessionsDep, credentials: TokenDep) -> None:
+    """With `LORAPLEX_METRICS_AUTH=true`, GET /metrics takes an admin key (401, or 403 for a tenant's key),
+    as LiteLLM's `require_auth_for_metrics_endpoint` does: its series name tenants. Open otherwise, as
+    vLLM's and most Prometheus exporters are (Prometheus sends the key with `authorization: {credentials}`)."""
+    if settings.metrics_auth:
+        key = await asyncio.to_thread(get_identity, sessions, credentials)
+        if key.role != "admin":
+            raise permission_denied("GET /metrics takes an admin key on this server (LORAPLEX_METRICS_AUTH).")

@@ -1,16 +1,16 @@
 """GET /health (readiness: 503 while shutting down or while no engine can run a call, so a load balancer
-stops sending) and GET /metrics (Prometheus)."""
+stops sending) and GET /metrics (Prometheus; with LORAPLEX_METRICS_AUTH, an admin key)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Depends, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from loraplex.platform.api.deps import EngineDep, LifecycleDep, MetricsDep
+from loraplex.platform.api.deps import EngineDep, LifecycleDep, MetricsDep, metrics_access
 
 router = APIRouter(tags=["health"])
 
@@ -32,7 +32,7 @@ async def health(lifecycle: LifecycleDep, engine: EngineDep):
     return Health(status="ok")
 
 
-@router.get("/metrics", response_class=Response,
+@router.get("/metrics", response_class=Response, dependencies=[Depends(metrics_access)],
             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
 async def metrics(engine: EngineDep, registry: MetricsDep) -> Response:
     snapshot = await engine.stats()

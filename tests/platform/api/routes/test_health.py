@@ -36,3 +36,28 @@ def test_metrics(server, make_tenant):
                  "loraplex_prefix_cache_hits_total", "loraplex_prefix_cache_blocks",
                  "loraplex_prefix_cache_evictions_total"):
         assert name in text, name
+
+
+def test_metrics_can_require_an_admin_key(make_settings, start_app):
+    """LORAPLEX_METRICS_AUTH: its series name tenants, so /metrics takes the admin key; none, a wrong one or a
+    tenant's gets OpenAI's error shape, and /health stays open for load balancers."""
+    from tests.platform import factories
+
+    settings = make_settings(metrics_auth=True)
+    app = start_app(settings)
+    admin_key = settings.admin_key.get_secret_value()
+    with factories.client(app.url, admin_key) as admin:
+        tenant = factories.make_tenant(admin, app.url)
+        ok = admin.get("/metrics")
+    assert ok.status_code == 200 and "loraplex_num_requests_running" in ok.text
+    missing = httpx.get(app.url + "/metrics")
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+    wrong = httpx.get(app.url + "/metrics", headers={"Authorization": "Bearer lpx-nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    denied = tenant.client.get("/metrics")
+    assert denied.status_code == 403, denied.text
+    assert denied.json() == {"error": {"message": "GET /metrics takes an admin key on this server "
+                                                  "(LORAPLEX_METRICS_AUTH).",
+                                       "type": "permission_error", "param": None, "code": "insufficient_permissions"}}
+    assert httpx.get(app.url + "/health").status_code == 200
+    tenant.client.close()
