@@ -160,7 +160,10 @@ async def _validation_error(_request: Request, exc: RequestValidationError) -> J
 
 async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
     codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-    err = APIError(exc.status_code, str(exc.detail), code=codes.get(exc.status_code), headers=exc.headers)
+    message = str(exc.detail)
+    if isinstance(exc.__cause__, RecursionError):  # FastAPI's "error parsing the body", from json.loads
+        message = "The request body is not valid JSON: it is nested too deeply to parse."
+    err = APIError(exc.status_code, message, code=codes.get(exc.status_code), headers=exc.headers)
     return err.response()
 
 

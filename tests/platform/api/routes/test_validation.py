@@ -165,6 +165,18 @@ def test_limits_themselves_are_admitted(strict):
     assert r.json()["usage"]["completion_tokens"] == 8  # the default max_tokens is capped at the limit
 
 
+@pytest.mark.parametrize("body, message", [
+    ('{"model": ' + "[" * 100_000 + "]" * 100_000 + "}",
+     "The request body is not valid JSON: it is nested too deeply to parse."),
+    ('{"model": "x",', "The request body is not valid JSON: Expecting property name enclosed in double quotes"),
+], ids=["nested-too-deeply", "cut-short"])
+def test_a_body_that_is_not_json_gets_a_400_that_says_so(make_tenant, body, message):
+    t = make_tenant()
+    err = error_of(t.client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"}))
+    assert err == {"message": message, "type": "invalid_request_error", "param": None, "code": None}
+    assert t.chat(max_tokens=1).status_code == 200  # and the server goes on
+
+
 def test_a_body_over_the_limit_is_413_declared_or_chunked(strict):
     big = {**COMPLETION, "prompt": "x" * 5000}
     err = error_of(strict.client.post("/v1/completions", json=big), 413)
