@@ -201,6 +201,7 @@ class Completions:
 
     async def _finalize(self, caller: Caller, c: Completion, gen: Generation, ticket: Ticket) -> None:
         """Once the engine requests end: release the adapter, settle the quota, record usage and metrics."""
+        settled = False
         try:
             await gen.wait()
             if c.engine_adapter is not None:
@@ -208,10 +209,11 @@ class Completions:
             num_completion = gen.num_completion_tokens
             ran = not all(ch.adapter_failed for ch in gen.choices)  # else its adapter never loaded: not charged
             num_prompt = c.num_prompt_tokens if ran else 0
-        except Exception:  # settle all the same (charged in full): the quota renews an unsettled call's slots
-            await self.quotas.settle(ticket, ticket.cost)
-            raise
-        await self.quotas.settle(ticket, num_prompt + num_completion, ran=ran)
+            await self.quotas.settle(ticket, num_prompt + num_completion, ran=ran)
+            settled = True
+        finally:  # whatever failed or cancelled this, settle (charged in full): an unsettled call's slots are renewed
+            if not settled:
+                self.lifecycle.spawn(self.quotas.settle(ticket, ticket.cost))
         if any(ch.error is not None for ch in gen.choices):
             status = "error"
         elif gen.is_cancelled or any(ch.finish_reason == "abort" for ch in gen.choices):

@@ -86,7 +86,7 @@ class Settings(BaseSettings):
     quota_fail_mode: Literal["open", "closed"] = "open"  # Redis unreachable: local limits, or 503
     # a concurrency slot outlives the last renewal by its process (every third of it) by this: a process that
     # dies frees its calls' slots within it
-    concurrency_lease_s: float = Field(30.0, ge=1.0)
+    concurrency_lease_s: float = Field(60.0, ge=1.0)
     db_pool_size: int | None = Field(None, ge=1)  # None: sized for the gateway's worker threads (db.py)
 
     # scale-out (`--replicas`): a call stays on a replica holding its adapter unless that replica has this

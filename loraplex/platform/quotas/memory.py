@@ -125,21 +125,28 @@ class MemoryBackend:
                 self._budget[bg] = (max(0, used - refund), expires)
             return True
 
-    async def renew(self, keys: list[str], calls: list[tuple[str, int]], lease_ms: float) -> int:
-        """Extend to now + lease_ms the concurrency slots of `calls` ((request id, slots) a live process still
-        runs), each only while its ticket is open: a settle is never undone, and slots that expired while the
-        process could not renew come back. Returns how many calls were renewed."""
-        rq, tk, cc, bg, op = keys
+    async def renew(self, batches: list[tuple[list[str], list[tuple[str, int]]]],
+                    lease_ms: float) -> list[list[str] | Exception]:
+        """For each tenant's (keys, calls), where calls are the (request id, slots) a live process still runs:
+        extend each call's slots to now + lease_ms and its open ticket by `OPEN_TICKET_MS`, only while the
+        ticket is open: a settle is never undone, and slots that expired while the process could not renew
+        come back. Returns, per tenant, the request ids not renewed (no open ticket)."""
+        results: list = []
         with self._lock:
-            until = self.now_ms() + lease_ms
-            tickets, leases = self._open.get(op, {}), self._leases.setdefault(cc, {})
-            renewed = 0
-            for request_id, num_slots in calls:
-                if request_id in tickets:
+            now = self.now_ms()
+            for keys, calls in batches:
+                rq, tk, cc, bg, op = keys
+                tickets, leases = self._open.get(op, {}), self._leases.setdefault(cc, {})
+                missing = []
+                for request_id, num_slots in calls:
+                    if tickets.pop(request_id, None) is None:
+                        missing.append(request_id)
+                        continue
+                    tickets[request_id] = now  # last in admission order again: trimmed 24 h from now
                     for slot in slot_ids(request_id, num_slots):
-                        leases[slot] = until
-                    renewed += 1
-            return renewed
+                        leases[slot] = now + lease_ms
+                results.append(missing)
+        return results
 
     async def peek(self, keys: list[str]) -> tuple[float, float | None, float | None, int]:
         """(now ms, request TAT, token TAT, requests in flight), changing nothing."""

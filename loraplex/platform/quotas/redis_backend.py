@@ -25,9 +25,18 @@ UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 # Redis answering, but not taking writes while it fails over or loads (Sentinel, Cluster, a replica promoted)
 FAILING_OVER = (ReadOnlyError, TryAgainError, ClusterDownError, MasterDownError, BusyLoadingError)
 
+# The concurrency set expires with its latest lease, never earlier: processes may run different leases
+# (a rolling upgrade, a setting per process). PEXPIREAT on Redis's clock, which scores the leases.
+EXPIRE_AT_LAST_LEASE = """
+local function expire_at_last_lease(cc)
+  local last = redis.call('ZRANGE', cc, -1, -1, 'WITHSCORES')
+  if last[2] then redis.call('PEXPIREAT', cc, math.ceil(tonumber(last[2])) + 1) end
+end
+"""
+
 # KEYS: rq tk cc bg op. ARGV: rpm tpm max_cc budget (-1: unlimited) cost request_id lease_ms budget_ttl_ms seed (-1: none)
 # num_slots (members request_id, request_id#1, ... as limits.slot_ids)
-ADMIT_LUA = """
+ADMIT_LUA = EXPIRE_AT_LAST_LEASE + """
 local rq, tk, cc, bg, op = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local rpm, tpm, max_cc, budget = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local cost, rid, lease_ms = tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
@@ -76,7 +85,7 @@ if reason == '' then
   if max_cc >= 0 then
     redis.call('ZADD', cc, now + lease_ms, rid)
     for i = 1, num_slots - 1 do redis.call('ZADD', cc, now + lease_ms, rid .. '#' .. i) end
-    redis.call('PEXPIRE', cc, math.ceil(lease_ms))
+    expire_at_last_lease(cc)
   end
   if rpm >= 0 then redis.call('SET', rq, string.format('%.3f', new_rq), 'PX', math.ceil(new_rq - now) + 1) end
   if tpm >= 0 then redis.call('SET', tk, string.format('%.3f', new_tk), 'PX', math.ceil(new_tk - now) + 1) end
@@ -118,25 +127,31 @@ if u then redis.call('SET', bg, string.format('%d', math.max(0, tonumber(u) - re
 return 1
 """
 
-# KEYS: cc op. ARGV: lease_ms, then request_id num_slots per call this process still runs. Extends their
-# slots' leases to now + lease_ms, only while the call's ticket is open: a settle that got in first is not
-# undone, and slots that expired while Redis was unreachable come back. Returns how many calls it renewed.
-RENEW_LUA = """
+# KEYS: cc op. ARGV: lease_ms open_ms, then request_id num_slots per call this process still runs. Extends
+# their slots' leases to now + lease_ms and their open tickets by open_ms, only while a call's ticket is
+# open: a settle that got in first is not undone, and slots that expired while Redis was unreachable come
+# back. Returns the request ids it did not renew (no open ticket).
+RENEW_LUA = EXPIRE_AT_LAST_LEASE + """
 local cc, op = KEYS[1], KEYS[2]
-local lease_ms = tonumber(ARGV[1])
+local lease_ms, open_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
 local t = redis.call('TIME')
-local until_ms = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000 + lease_ms
-local renewed = 0
-for i = 2, #ARGV, 2 do
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local missing = {}
+for i = 3, #ARGV, 2 do
   local rid, num_slots = ARGV[i], tonumber(ARGV[i + 1])
   if redis.call('ZSCORE', op, rid) then
-    redis.call('ZADD', cc, until_ms, rid)
-    for j = 1, num_slots - 1 do redis.call('ZADD', cc, until_ms, rid .. '#' .. j) end
-    renewed = renewed + 1
+    redis.call('ZADD', op, now, rid)
+    redis.call('ZADD', cc, now + lease_ms, rid)
+    for j = 1, num_slots - 1 do redis.call('ZADD', cc, now + lease_ms, rid .. '#' .. j) end
+  else
+    missing[#missing + 1] = rid
   end
 end
-if renewed > 0 then redis.call('PEXPIRE', cc, math.ceil(lease_ms)) end
-return renewed
+if #missing * 2 < #ARGV - 2 then
+  expire_at_last_lease(cc)
+  redis.call('PEXPIRE', op, math.ceil(open_ms))
+end
+return missing
 """
 
 # KEYS: rq tk cc. Read-only: now, request TAT, token TAT ('' when unset), requests in flight
@@ -146,6 +161,9 @@ local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 return {string.format('%.3f', now), redis.call('GET', KEYS[1]) or '', redis.call('GET', KEYS[2]) or '',
         tostring(redis.call('ZCOUNT', KEYS[3], '(' .. string.format('%.3f', now), '+inf'))}
 """
+
+
+RENEW_PIPELINE = 1000  # tenants' renewal scripts per round trip
 
 
 def _arg(limit: int | None) -> int:
@@ -180,12 +198,24 @@ class RedisBackend:
         return bool(int(await self._settle(keys=keys, args=[_arg(limits.rpm), _arg(limits.tpm), request_id,
                                                             max(0, refund), num_slots, int(refund_request)])))
 
-    async def renew(self, keys: list[str], calls: list[tuple[str, int]], lease_ms: float) -> int:
-        """`MemoryBackend.renew`, atomically in Redis."""
-        args: list = [lease_ms]
-        for request_id, num_slots in calls:
-            args += [request_id, num_slots]
-        return int(await self._renew(keys=[keys[2], keys[4]], args=args))
+    async def renew(self, batches: list[tuple[list[str], list[tuple[str, int]]]],
+                    lease_ms: float) -> list[list[str] | Exception]:
+        """`MemoryBackend.renew`, one atomic script per tenant, sent in pipelines of `RENEW_PIPELINE`
+        (one round trip each, however many tenants). Raises if Redis is unreachable."""
+        results: list = []
+        for start in range(0, len(batches), RENEW_PIPELINE):
+            async with self.client.pipeline(transaction=False) as pipe:
+                for keys, calls in batches[start:start + RENEW_PIPELINE]:
+                    args: list = [lease_ms, OPEN_TICKET_MS]
+                    for request_id, num_slots in calls:
+                        args += [request_id, num_slots]
+                    await self._renew(keys=[keys[2], keys[4]], args=args, client=pipe)
+                replies = await pipe.execute(raise_on_error=False)
+            for reply in replies:
+                if isinstance(reply, Exception) and isinstance(reply, UNREACHABLE):
+                    raise reply
+                results.append(reply)
+        return results
 
     async def peek(self, keys: list[str]) -> tuple[float, float | None, float | None, int]:
         """(now ms, request TAT, token TAT, requests in flight) on Redis's clock, changing nothing."""

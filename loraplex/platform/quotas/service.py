@@ -1,17 +1,20 @@
 """Admission: one atomic check of every per-tenant limit, turned into OpenAI's 429s and headers.
 
 `admit` reserves prompt tokens + max_tokens; `settle` gives back what the request did not use and frees
-its concurrency slot. A slot has a short lease (`lease_s`, 30 s by default) that the process running the
-call renews every third of it, so a process that dies (killed, out of memory, a Ray ingress lost) frees
-its calls' slots within one lease, and a call that runs longer than the lease keeps its slot: a
-heartbeat lease, as Redis's distributed-lock pattern extends its locks. With Redis unreachable, `fail_mode` "open" falls back to this process's own
-counters (a local limit) and "closed" refuses with 503; a tenant with a token budget is refused either
-way (budgets fail closed: a local counter cannot know what other processes spent). A settle that cannot
-reach Redis, or that a failing-over Redis turns away (READONLY, TRYAGAIN, CLUSTERDOWN, MASTERDOWN,
-LOADING), is sent again until it lands (from `RESETTLE_S` apart, at most `MAX_UNSETTLED` held; `close`
-tries them once more and logs what it drops): otherwise a short partition would hold the tenant's
-concurrency slots until their lease ran out, and keep its unused tokens charged. Sending it twice is safe: the backends
-give back only once per admitted request (its open ticket).
+its concurrency slots. A slot has a lease (`lease_s`, 60 s by default) that the process running the call
+renews every third of it (a heartbeat lease, as Redis's distributed-lock pattern extends its locks): a
+process that dies (killed, out of memory, a Ray ingress lost) frees its calls' slots within one lease,
+and a call may run for as long as it likes. The trade: a process cut off from Redis for longer than the
+lease has its calls' slots expire there, so other processes may admit up to the limit meanwhile; the
+slots come back when it reaches Redis again, and the tenant runs over its limit until those calls end.
+
+With Redis unreachable, `fail_mode` "open" falls back to this process's own counters (a local limit) and
+"closed" refuses with 503; a tenant with a token budget is refused either way (budgets fail closed: a
+local counter cannot know what other processes spent). A settle that cannot reach Redis, or that a
+failing-over Redis turns away (READONLY, TRYAGAIN, CLUSTERDOWN, MASTERDOWN, LOADING), is sent again until
+it lands (from `RESETTLE_S` apart, at most `MAX_UNSETTLED` held; `close` tries them once more and logs
+what it drops): otherwise the tenant's unused tokens would stay charged and its slots held for a lease.
+Sending it twice is safe: the backends give back only once per admitted request (its open ticket).
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ def rate_limit_headers(limits: Limits, d: Decision) -> dict[str, str]:
 
 
 class QuotaService:
-    def __init__(self, backend, *, fail_mode: str = "open", lease_s: float = 30.0,
+    def __init__(self, backend, *, fail_mode: str = "open", lease_s: float = 60.0,
                  budget_seed: Callable[[int, object], int] | None = None):
         """backend: a RedisBackend or MemoryBackend. lease_s: how long a concurrency slot outlives the last
         renewal by its process (renewed every lease_s / 3). budget_seed(tenant_id, period_start_date) ->
@@ -167,29 +170,40 @@ class QuotaService:
                 self._resettler = asyncio.get_running_loop().create_task(self._resettle())
 
     async def _renew(self) -> None:
-        """Every lease / 3 while calls run, extend their slots' leases: one script per tenant and backend.
-        A renewal that fails is logged and tried at the next beat (two more before the slots expire)."""
-        failing = False
+        """While calls run, extend their slots' leases every lease / 3, all tenants of a backend in one
+        pipeline. After a failed pass it tries again from RESETTLE_S, doubling up to lease / 3, so a store
+        that answers again has the slots back within about a second; the Redis calls and the local
+        fallback's (admitted while Redis was down) are renewed apart, so one never holds up the other."""
+        beat_s = self.lease_ms / 3000.0
+        wait, unreachable = beat_s, False
         while self._running:
-            await asyncio.sleep(self.lease_ms / 3000.0)
-            groups: dict[tuple[int, str], list[Ticket]] = {}
+            await asyncio.sleep(wait)
+            by_backend: dict[int, tuple[object, dict[str, list[Ticket]]]] = {}
             for t in list(self._running.values()):
-                groups.setdefault((id(t.backend), t.keys[2]), []).append(t)
+                by_backend.setdefault(id(t.backend), (t.backend, {}))[1].setdefault(t.keys[2], []).append(t)
             failed = False
-            for group in groups.values():
-                calls = [(t.request_id, t.num_slots) for t in group if t.request_id in self._running]
+            for backend, groups in by_backend.values():
+                tenants = list(groups.values())
                 try:
-                    await group[0].backend.renew(group[0].keys, calls, self.lease_ms)
+                    results = await backend.renew([(g[0].keys, [(t.request_id, t.num_slots) for t in g])
+                                                   for g in tenants], self.lease_ms)
                 except Exception as exc:
-                    if not failing and not failed:
-                        logger.warning("could not renew the concurrency leases of tenant %d's %d running "
-                                       "call(s): %r", group[0].tenant_id, len(calls), exc)
+                    if not unreachable:
+                        logger.warning("could not renew the concurrency leases of %d running call(s): %r; trying "
+                                       "again", sum(map(len, tenants)), exc)
                     failed = True
-                    if _retryable(exc):
-                        break  # the store is unreachable for every tenant: try them all at the next beat
-            if failing and not failed:
+                    continue
+                for group, result in zip(tenants, results, strict=True):
+                    if isinstance(result, Exception):
+                        logger.error("could not renew tenant %d's concurrency leases: %r", group[0].tenant_id, result)
+                    elif lost := [rid for rid in result if rid in self._running]:
+                        logger.warning("tenant %d: %d running call(s) have no open ticket in the quota store (did "
+                                       "it lose its data?); their slots are not counted: %s",
+                                       group[0].tenant_id, len(lost), lost[:5])
+            if unreachable and not failed:
                 logger.info("concurrency leases renewed again")
-            failing = failed
+            wait = (min(2 * wait, beat_s) if unreachable else RESETTLE_S) if failed else beat_s
+            unreachable = failed
 
     @property
     def num_running(self) -> int:

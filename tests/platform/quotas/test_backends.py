@@ -124,15 +124,31 @@ def test_a_renewal_extends_open_calls_only(make_backend):
         assert (await admit(b, ks, limits, rid="b", lease_ms=400)).allowed
         await b.settle(ks, limits, "b", refund=0)
         await asyncio.sleep(0.2)
-        assert await b.renew(ks, [("a", 2), ("b", 1)], 400) == 1  # "b" was settled: not renewed
+        assert await b.renew([(ks, [("a", 2), ("b", 1)])], 400) == [["b"]]  # "b" was settled: not renewed
         await asyncio.sleep(0.3)  # past "a"'s first lease, inside the renewed one
         assert (await b.peek(ks))[3] == 2
         assert not (await admit(b, ks, limits, rid="c", lease_ms=400, num_slots=2)).allowed
         await asyncio.sleep(0.2)  # now expired
         assert (await b.peek(ks))[3] == 0
-        assert await b.renew(ks, [("a", 2)], 60_000) == 1  # the call still runs: its slots come back
+        assert await b.renew([(ks, [("a", 2)])], 60_000) == [[]]  # the call still runs: its slots come back
         assert (await b.peek(ks))[3] == 2
         assert not (await admit(b, ks, limits, rid="c", num_slots=2)).allowed
+
+    run(make_backend, scenario)
+
+
+def test_a_short_lease_never_expires_a_longer_ones_slots(make_backend):
+    """Processes may run different leases (a rolling upgrade, a setting per process): the set of slots lives
+    as long as its latest lease, not as long as the last admission's."""
+    async def scenario(b, ks):
+        limits = Limits(max_concurrent_requests=3)
+        assert (await admit(b, ks, limits, rid="long", lease_ms=60_000)).allowed
+        assert (await admit(b, ks, limits, rid="short", lease_ms=200)).allowed
+        await asyncio.sleep(0.4)
+        assert (await b.peek(ks))[3] == 1  # "long" is still counted
+        assert await b.renew([(ks, [("short", 1)])], 200) == [[]]
+        await asyncio.sleep(0.4)
+        assert (await b.peek(ks))[3] == 1
 
     run(make_backend, scenario)
 
@@ -254,6 +270,37 @@ def test_slots_that_expired_in_a_partition_come_back_when_it_heals(redis_server)
         finally:
             await service.close()
             await direct.aclose()
+            await partition.close()
+
+    asyncio.run(main())
+
+
+def test_calls_admitted_locally_in_an_outage_keep_their_slots(redis_server):
+    """With Redis cut off, the calls admitted on the local fallback are renewed there while the renewal of
+    the calls admitted on Redis before the outage keeps failing: one never holds up the other."""
+    from loraplex.platform.errors import APIError
+    from loraplex.platform.quotas.service import QuotaService
+
+    async def main():
+        partition = Partition(redis_server.port)
+        port = await partition.start()
+        service = QuotaService(RedisBackend(f"redis://127.0.0.1:{port}/0", timeout_s=0.2), lease_s=0.6)
+        limits = Limits(max_concurrent_requests=1)
+        before, during = next(_tenants), next(_tenants)
+        try:
+            on_redis = await service.admit(before, limits, cost=1, request_id="on-redis")
+            partition.dropping = True
+            local = await service.admit(during, limits, cost=1, request_id="local")
+            assert local.backend is service.local and service.degraded
+            await asyncio.sleep(2.0)  # three leases
+            with pytest.raises(APIError) as refused:
+                await service.admit(during, limits, cost=1, request_id="over")
+            assert "Too many concurrent requests: Limit 1" in refused.value.message
+            for ticket in (local, on_redis):
+                await service.settle(ticket, 1)
+        finally:
+            partition.dropping = False
+            await service.close()
             await partition.close()
 
     asyncio.run(main())
