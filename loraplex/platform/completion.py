@@ -212,8 +212,8 @@ class Completions:
             await self.quotas.settle(ticket, num_prompt + num_completion, ran=ran)
             settled = True
         finally:  # whatever failed or cancelled this, settle (charged in full): an unsettled call's slots are renewed
-            if not settled:
-                self.lifecycle.spawn(self.quotas.settle(ticket, ticket.cost))
+            if not settled:  # awaited: a cancelled task may still await here, and settle never raises
+                await self.quotas.settle(ticket, ticket.cost)
         if any(ch.error is not None for ch in gen.choices):
             status = "error"
         elif gen.is_cancelled or any(ch.finish_reason == "abort" for ch in gen.choices):

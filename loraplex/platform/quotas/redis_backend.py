@@ -13,6 +13,7 @@ from redis.exceptions import (
     BusyLoadingError,
     ClusterDownError,
     MasterDownError,
+    NoScriptError,
     ReadOnlyError,
     TryAgainError,
 )
@@ -163,7 +164,8 @@ return {string.format('%.3f', now), redis.call('GET', KEYS[1]) or '', redis.call
 """
 
 
-RENEW_PIPELINE = 1000  # tenants' renewal scripts per round trip
+RENEW_SCRIPT_CALLS = 1000  # calls one renewal script takes
+RENEW_PIPELINE_CALLS = 10_000  # calls renewed per pipeline (one round trip)
 
 
 def _arg(limit: int | None) -> int:
@@ -200,21 +202,41 @@ class RedisBackend:
 
     async def renew(self, batches: list[tuple[list[str], list[tuple[str, int]]]],
                     lease_ms: float) -> list[list[str] | Exception]:
-        """`MemoryBackend.renew`, one atomic script per tenant, sent in pipelines of `RENEW_PIPELINE`
-        (one round trip each, however many tenants). Raises if Redis is unreachable."""
-        results: list = []
-        for start in range(0, len(batches), RENEW_PIPELINE):
+        """`MemoryBackend.renew`, atomically per script: a tenant's calls in scripts of at most
+        `RENEW_SCRIPT_CALLS`, the scripts in pipelines of at most `RENEW_PIPELINE_CALLS` calls (a few
+        round trips per pass however many tenants, none long enough to time out). Raises if Redis is
+        unreachable or turns a script away while failing over (or lost the script mid-pass): the caller
+        tries the whole pass again soon."""
+        scripts = [(i, calls[j:j + RENEW_SCRIPT_CALLS]) for i, (keys, calls) in enumerate(batches)
+                   for j in range(0, max(len(calls), 1), RENEW_SCRIPT_CALLS)]
+        results: list = [[] for _ in batches]
+        retry: Exception | None = None
+        start = 0
+        while start < len(scripts):
+            end, num_calls = start, 0
+            while end < len(scripts) and (end == start or num_calls + len(scripts[end][1]) <= RENEW_PIPELINE_CALLS):
+                num_calls += len(scripts[end][1])
+                end += 1
             async with self.client.pipeline(transaction=False) as pipe:
-                for keys, calls in batches[start:start + RENEW_PIPELINE]:
+                for i, calls in scripts[start:end]:
+                    keys = batches[i][0]
                     args: list = [lease_ms, OPEN_TICKET_MS]
                     for request_id, num_slots in calls:
                         args += [request_id, num_slots]
                     await self._renew(keys=[keys[2], keys[4]], args=args, client=pipe)
                 replies = await pipe.execute(raise_on_error=False)
-            for reply in replies:
-                if isinstance(reply, Exception) and isinstance(reply, UNREACHABLE):
+            for (i, _), reply in zip(scripts[start:end], replies, strict=True):
+                if isinstance(reply, UNREACHABLE):
                     raise reply
-                results.append(reply)
+                if isinstance(reply, (*FAILING_OVER, NoScriptError)):
+                    retry = reply
+                elif isinstance(reply, Exception):
+                    results[i] = reply
+                elif isinstance(results[i], list):
+                    results[i] += reply
+            start = end
+        if retry is not None:
+            raise retry
         return results
 
     async def peek(self, keys: list[str]) -> tuple[float, float | None, float | None, int]:

@@ -46,6 +46,7 @@ from loraplex.platform.quotas.memory import MemoryBackend
 logger = logging.getLogger(__name__)
 
 RESETTLE_S = 0.5  # first wait before a settle that could not reach Redis is sent again; doubles up to 8 s
+RENEW_RETRY_MAX_S = 2.0  # longest wait between renewals while they fail (a failed try costs little)
 MAX_UNSETTLED = 100_000  # settles held for Redis to come back (past it the oldest are dropped: their leases expire)
 
 
@@ -100,6 +101,7 @@ class QuotaService:
         self._resettler: asyncio.Task | None = None
         self._running: dict[str, Ticket] = {}  # admitted, not yet settled, holding concurrency slots
         self._renewer: asyncio.Task | None = None
+        self._lost: set[str] = set()  # running calls the store had no ticket for (warned once each)
 
     async def admit(self, tenant_id: int, limits: Limits, cost: int, request_id: str,
                     num_sequences: int = 1, sequences_param: str = "n") -> Ticket:
@@ -152,6 +154,7 @@ class QuotaService:
         or refused it before anything ran) also gives back its unit of the RPM bucket. Never raises."""
         refund = max(0, ticket.cost - num_tokens_used)
         self._running.pop(ticket.request_id, None)  # renewed no more: held settles' slots expire in one lease
+        self._lost.discard(ticket.request_id)
         try:
             await _send(ticket, refund, ran)
         except Exception as exc:
@@ -170,10 +173,11 @@ class QuotaService:
                 self._resettler = asyncio.get_running_loop().create_task(self._resettle())
 
     async def _renew(self) -> None:
-        """While calls run, extend their slots' leases every lease / 3, all tenants of a backend in one
-        pipeline. After a failed pass it tries again from RESETTLE_S, doubling up to lease / 3, so a store
-        that answers again has the slots back within about a second; the Redis calls and the local
-        fallback's (admitted while Redis was down) are renewed apart, so one never holds up the other."""
+        """While calls run, extend their slots' leases every lease / 3, each backend's tenants in a few
+        pipelined round trips. After a failed pass (the store unreachable, or turning writes away while it
+        fails over) it tries again every RESETTLE_S to RENEW_RETRY_MAX_S, so the slots are back within about
+        2 s of the store answering; the Redis calls and the local fallback's (admitted while Redis was
+        down) are renewed apart, so one never holds up the other."""
         beat_s = self.lease_ms / 3000.0
         wait, unreachable = beat_s, False
         while self._running:
@@ -193,17 +197,28 @@ class QuotaService:
                                        "again", sum(map(len, tenants)), exc)
                     failed = True
                     continue
-                for group, result in zip(tenants, results, strict=True):
-                    if isinstance(result, Exception):
-                        logger.error("could not renew tenant %d's concurrency leases: %r", group[0].tenant_id, result)
-                    elif lost := [rid for rid in result if rid in self._running]:
-                        logger.warning("tenant %d: %d running call(s) have no open ticket in the quota store (did "
-                                       "it lose its data?); their slots are not counted: %s",
-                                       group[0].tenant_id, len(lost), lost[:5])
+                self._report(tenants, results)
             if unreachable and not failed:
                 logger.info("concurrency leases renewed again")
-            wait = (min(2 * wait, beat_s) if unreachable else RESETTLE_S) if failed else beat_s
+            wait = min(2 * wait if unreachable else RESETTLE_S, RENEW_RETRY_MAX_S, beat_s) if failed else beat_s
             unreachable = failed
+
+    def _report(self, tenants: list[list[Ticket]], results: list) -> None:
+        """One line per pass for the tenants whose renewal failed; one per call that has no open ticket
+        (the store lost its data), the first time only."""
+        errors = [(g[0].tenant_id, r) for g, r in zip(tenants, results, strict=True) if isinstance(r, Exception)]
+        if errors:
+            logger.error("could not renew the concurrency leases of %d tenant(s), e.g. tenant %d: %r", len(errors),
+                         *errors[0])
+        for group, result in zip(tenants, results, strict=True):
+            if isinstance(result, Exception):
+                continue
+            lost = [rid for rid in result if rid in self._running and rid not in self._lost]
+            if lost:
+                self._lost.update(lost)
+                logger.warning("tenant %d: %d running call(s) have no open ticket in the quota store (did it "
+                               "lose its data?); their slots are not counted: %s", group[0].tenant_id, len(lost),
+                               lost[:5])
 
     @property
     def num_running(self) -> int:

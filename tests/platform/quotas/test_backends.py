@@ -137,6 +137,65 @@ def test_a_renewal_extends_open_calls_only(make_backend):
     run(make_backend, scenario)
 
 
+def test_a_large_renewal_is_split_and_gives_the_same_answer(redis_server, monkeypatch):
+    """Many calls are renewed in several scripts and pipelines (none so long that it times out); what was not
+    renewed is reported per tenant as one pass would."""
+    from loraplex.platform.quotas import redis_backend
+
+    monkeypatch.setattr(redis_backend, "RENEW_SCRIPT_CALLS", 2)
+    monkeypatch.setattr(redis_backend, "RENEW_PIPELINE_CALLS", 3)
+
+    async def main():
+        b = RedisBackend(redis_server.url)
+        period = budget_period("month", utcnow())
+        limits = Limits(max_concurrent_requests=100)
+        try:
+            batches = []
+            for t in range(3):
+                ks = keys(next(_tenants), period)
+                calls = [(f"c{t}-{i}", 2) for i in range(5)]
+                for rid, n in calls:
+                    assert (await admit(b, ks, limits, rid=rid, lease_ms=300, num_slots=n)).allowed
+                await b.settle(ks, limits, f"c{t}-{t}", refund=0, num_slots=2)
+                batches.append((ks, calls + [(f"never-{t}", 1)]))
+            results = await b.renew(batches, 60_000)
+            assert results == [["c0-0", "never-0"], ["c1-1", "never-1"], ["c2-2", "never-2"]]
+            await asyncio.sleep(0.4)  # past the admissions' leases: only the renewed slots count
+            assert [(await b.peek(ks))[3] for ks, _ in batches] == [8, 8, 8]
+        finally:
+            await b.close()
+
+    asyncio.run(main())
+
+
+def test_a_renewal_turned_away_by_a_read_only_redis_raises(tmp_path):
+    """A failing-over Redis (a replica, read-only) answers each script with READONLY: the pass fails as a
+    whole, so the service tries again within seconds instead of counting it done."""
+    from redis.exceptions import ReadOnlyError
+
+    from tests.platform.servers import RedisServer
+
+    server = RedisServer().start()
+
+    async def main():
+        b = RedisBackend(server.url)
+        ks = keys(next(_tenants), budget_period("month", utcnow()))
+        try:
+            assert (await admit(b, ks, Limits(max_concurrent_requests=1), rid="a")).allowed
+            await b.client.execute_command("REPLICAOF", "127.0.0.1", "1")  # a master that is not there
+            with pytest.raises(ReadOnlyError):
+                await b.renew([(ks, [("a", 1)])], 60_000)
+            await b.client.execute_command("REPLICAOF", "NO", "ONE")
+            assert await b.renew([(ks, [("a", 1)])], 60_000) == [[]]
+        finally:
+            await b.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.kill()
+
+
 def test_a_short_lease_never_expires_a_longer_ones_slots(make_backend):
     """Processes may run different leases (a rolling upgrade, a setting per process): the set of slots lives
     as long as its latest lease, not as long as the last admission's."""
