@@ -76,7 +76,7 @@ def test_two_processes_share_one_limit(two_processes, tmp_path, model_path):
 def test_a_killed_process_frees_its_tenants_slot_within_the_lease(two_processes):
     """SIGKILL one process in the middle of a tenant's stream (no settle, no shutdown): the other refuses
     the tenant at its max_concurrent_requests while the stream's slot is renewed, then admits it once the
-    lease runs out, not 10 minutes later."""
+    lease runs out (the lease was a fixed 10 minutes before c72eb6f)."""
     a, b = two_processes
     admin_key = re.findall(r"lpx-[A-Za-z0-9_-]{43}", a.output())[0]
     with factories.client(a.url, admin_key) as admin:
