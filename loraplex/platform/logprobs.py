@@ -2,43 +2,101 @@
 
 Chat (`logprobs: true`, `top_logprobs` 0..20): `{"content": [{"token", "logprob", "bytes", "top_logprobs":
 [{"token", "logprob", "bytes"}]}], "refusal": null}`. Completions (`logprobs` 0..5): `{"tokens",
-"token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`. A token's text is what the
-tokenizer decodes for it alone (a token that is part of a multi-byte character decodes to U+FFFD, as in
-vLLM); `bytes` are that text's UTF-8. Every sampled token is listed, the stop token (EOS) included, as
-vLLM does: the list follows `token_ids`, not the text cut at a stop string. A streamed chunk carries the
-entries of the tokens that arrived since the last chunk of its choice.
+"token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`, where each `top_logprobs` entry
+also holds the sampled token, so it has up to `logprobs` + 1 keys (OpenAI's reference; vLLM does the same).
+A token's text is what the tokenizer decodes for it alone, and `bytes` its UTF-8. A token that is only
+part of a character (an emoji or a CJK character split over byte-level BPE tokens) has no text of its
+own: it is written `bytes:` followed by its bytes as `\\xNN` escapes (the form of OpenAI's legacy
+completions), and `bytes` are its real bytes, so a client joins the `bytes` of consecutive tokens back
+into the character; alternatives that are different partial tokens stay apart (vLLM writes each as U+FFFD
+with the bytes of U+FFFD, so their top-logprob keys collide). `text_offset` counts the characters of the
+text before each token; a character split over tokens counts once its last byte has come. Every sampled
+token is listed, the stop token (EOS) included, as vLLM does: the list follows `token_ids`, not the text
+cut at a stop string. A streamed chunk carries the entries of the tokens that arrived since the last chunk
+of its choice.
 """
 
 from __future__ import annotations
 
+import codecs
+
 from loraplex.engine.sampler import TokenLogprobs
 
 
-def _text(tokenizer, token_id: int, cache: dict[int, str]) -> str:
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, reversed: each of the 256 bytes is one printable character in a
+    token's piece (printable Latin-1 bytes stand for themselves, the others for U+0100 onwards in byte
+    order). Llama 3, Qwen and SmolLM vocabularies use it."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(256 + n)
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_OF = _byte_decoder()
+
+
+def _raw_bytes(tokenizer, token_id: int) -> bytes | None:
+    """A token's bytes from its vocabulary piece: byte-level BPE, or SentencePiece's `<0xNN>` byte
+    fallback; None for a piece in neither form."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(piece, str):
+        return None
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            return None
+    if all(c in _BYTE_OF for c in piece):
+        return bytes(_BYTE_OF[c] for c in piece)
+    return None
+
+
+def _token(tokenizer, token_id: int, cache: dict[int, tuple[str, bytes]]) -> tuple[str, bytes]:
+    """(text, bytes) of one token as the responses show it (the module's docstring)."""
     if token_id not in cache:
-        cache[token_id] = tokenizer.decode([token_id])
+        text = tokenizer.decode([token_id])
+        raw = _raw_bytes(tokenizer, token_id) if "\ufffd" in text else None
+        if raw is not None and not _is_utf8(raw):  # part of a character
+            cache[token_id] = ("bytes:" + "".join(chr(b) if 32 <= b < 127 and b != 92 else f"\\x{b:02x}"
+                                                  for b in raw), raw)
+        else:
+            cache[token_id] = (text, text.encode("utf-8"))
     return cache[token_id]
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def chat_content(tokenizer, lps: list[TokenLogprobs]) -> list[dict]:
     """The `content` list of a chat choice's `logprobs` for tokens `lps`."""
-    cache: dict[int, str] = {}
+    cache: dict[int, tuple[str, bytes]] = {}
 
     def entry(token_id: int, logprob: float) -> dict:
-        text = _text(tokenizer, token_id, cache)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        text, raw = _token(tokenizer, token_id, cache)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
 
 
 def completion_logprobs(tokenizer, lps: list[TokenLogprobs], text_offset: int = 0) -> dict:
     """A completion choice's `logprobs` for tokens `lps` whose text starts at `text_offset` characters."""
-    cache: dict[int, str] = {}
-    tokens = [_text(tokenizer, lp.token_id, cache) for lp in lps]
-    offsets = []
-    for t in tokens:
+    cache: dict[int, tuple[str, bytes]] = {}
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")  # holds a split character's first bytes
+    tokens, offsets, top = [], [], []
+    for lp in lps:
+        text, raw = _token(tokenizer, lp.token_id, cache)
+        tokens.append(text)
         offsets.append(text_offset)
-        text_offset += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{_text(tokenizer, t, cache): v for t, v in lp.top} for lp in lps],
+        text_offset += len(decoder.decode(raw))
+        entries = {_token(tokenizer, t, cache)[0]: v for t, v in lp.top}
+        entries.setdefault(text, lp.logprob)
+        top.append(entries)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": top,
             "text_offset": offsets}

@@ -72,3 +72,40 @@ def test_completion_logprobs_in_the_legacy_shape(client):
     tokens = [t for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.tokens]
     offsets = [o for c in chunks for ch in c.choices if ch.logprobs for o in ch.logprobs.text_offset]
     assert tokens == lp.tokens and offsets == lp.text_offset
+
+
+def test_completion_top_logprobs_always_hold_the_sampled_token(client):
+    """OpenAI's reference: up to logprobs + 1 entries, the sampled token always among them (vLLM too), also
+    when sampling picked a token outside the top k, and with logprobs 0."""
+    for k in (0, 1):
+        r = client.completions.create(model=BASE_MODEL, prompt="The capital of France is", max_tokens=8,
+                                      temperature=2.0, seed=3, logprobs=k, extra_body={"ignore_eos": True})
+        lp = r.choices[0].logprobs
+        for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+            assert top[token] == logprob and len(top) <= k + 1
+        if k == 0:
+            assert [len(top) for top in lp.top_logprobs] == [1] * 8
+
+
+def test_tokens_that_are_part_of_a_character_keep_their_bytes(tokenizer):
+    """SmolLM2's byte-level BPE splits an emoji and CJK characters over tokens that are not text alone: each
+    is written `bytes:\\xNN...` with its real bytes (joined, the bytes give the text back), alternatives that
+    are different partial tokens keep different keys, and text offsets point into the text."""
+    from loraplex.engine.sampler import TokenLogprobs
+    from loraplex.platform.logprobs import chat_content, completion_logprobs
+
+    text = "Emoji: \U0001F600 \u65e5\u672c\u8a9e ok"
+    ids = tokenizer.encode(text)
+    partial = [i for i in ids if "\ufffd" in tokenizer.decode([i])]
+    assert len(partial) >= 4  # the emoji's and two CJK characters' pieces
+    lps = [TokenLogprobs(t, -1.0, tuple((p, -2.0 - n) for n, p in enumerate(partial))) for t in ids]
+    content = chat_content(tokenizer, lps)
+    assert b"".join(bytes(e["bytes"]) for e in content).decode() == text
+    emoji = next(e for e in content if e["token"].startswith("bytes: "))
+    assert emoji["token"] == "bytes: \\xf0\\x9f\\x98" and emoji["bytes"] == [32, 0xF0, 0x9F, 0x98]
+    assert len({e["token"] for e in content[0]["top_logprobs"]}) == len(partial)
+    legacy = completion_logprobs(tokenizer, lps)
+    assert all(len(top) == len(partial) + 1 for top in legacy["top_logprobs"][:3])  # + the sampled, whole token
+    for token, offset in zip(legacy["tokens"], legacy["text_offset"], strict=True):
+        assert token.startswith("bytes:") or text[offset:].startswith(token)
+    assert legacy["text_offset"][-1] == text.index(" ok")
