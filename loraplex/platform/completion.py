@@ -255,6 +255,9 @@ def check_fan_out(settings: Settings, kind: str, n: int, num_prompts: int) -> No
                               "are allowed per request.", param="n")
 
 
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's API reference; vLLM's too)
+
+
 def check_lengths(eng: EngineClient, settings: Settings, kind: str, body: ChatCompletionRequest | CompletionRequest,
                   prompts: list[list[int]]) -> int:
     """Prompt tokens per call, the context and max_tokens; returns max_tokens per choice."""
@@ -281,8 +284,9 @@ def check_lengths(eng: EngineClient, settings: Settings, kind: str, body: ChatCo
         raise invalid_request(f"{param} is {requested}, but the prompt ({longest} tokens) leaves room for "
                               f"{room} tokens in this model's context of {context} tokens.", param=param,
                               code="context_length_exceeded")
-    if requested is None:
-        requested = min(settings.default_max_tokens, room, cap or room)
+    if requested is None:  # chat: the setting; completions: 16, OpenAI's and vLLM's default there
+        default = settings.default_max_tokens if kind == "chat" else COMPLETION_DEFAULT_MAX_TOKENS
+        requested = min(default, room, cap or room)
     return requested
 
 

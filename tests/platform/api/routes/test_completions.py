@@ -131,3 +131,16 @@ def test_requests_that_generate_hold_no_database_connection(make_tenant, gateway
     for th in threads:
         th.join(timeout=120)
     assert checked_out == 0 and results == [200] * 12
+
+
+def test_max_tokens_defaults_to_16_as_openais_completions(make_tenant):
+    """Legacy completions without max_tokens make 16 tokens (OpenAI's and vLLM's default there), not the
+    chat default (LORAPLEX_DEFAULT_MAX_TOKENS, 256)."""
+    t = make_tenant()
+    body = {"model": BASE_MODEL, "prompt": "The capital of France is", "temperature": 0, "ignore_eos": True}
+    r = t.client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 16 and r.json()["choices"][0]["finish_reason"] == "length"
+    chat = t.client.post("/v1/chat/completions", json={"model": BASE_MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                        "temperature": 0, "ignore_eos": True})
+    assert chat.json()["usage"]["completion_tokens"] == 256
