@@ -19,6 +19,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 logger = logging.getLogger(__name__)
 
 
+class UnsupportedParameter(ValueError):
+    """A field of OpenAI's API that loraplex does not honour, sent with a value that would change the answer
+    (raised in a request model's validator): 400 with code `unsupported_parameter`, OpenAI's code for a
+    parameter a model does not take."""
+
+
 class APIError(Exception):
     def __init__(self, status_code: int, message: str, *, type: str = "invalid_request_error",
                  code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None):
@@ -155,7 +161,8 @@ async def _validation_error(_request: Request, exc: RequestValidationError) -> J
             message = f"{param}: {message}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
-    return APIError(400, message, param=param).response()
+    unsupported = isinstance(first.get("ctx", {}).get("error"), UnsupportedParameter)
+    return APIError(400, message, param=param, code="unsupported_parameter" if unsupported else None).response()
 
 
 async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -38,6 +38,7 @@ from loraplex.engine.sampling_params import (
     check_text,
     check_top_p,
 )
+from loraplex.platform.errors import UnsupportedParameter
 from loraplex.platform.response_format import parse_response_format
 
 # Fields of OpenAI's API that loraplex refuses unless they hold their neutral value (what leaving them
@@ -53,7 +54,9 @@ _RANGE_CHECKS = {
     "priority": check_priority,
 }
 UNSUPPORTED_CHAT = {"tools": [], "tool_choice": "none", "functions": [], "function_call": "none", "audio": None,
-                    "prediction": None}
+                    "prediction": None, "modalities": ["text"], "store": False, "reasoning_effort": None,
+                    "verbosity": None, "web_search_options": None}
+SERVICE_TIERS = (None, "auto", "default")  # what loraplex serves every call at; "flex", "priority"... are refused
 UNSUPPORTED_COMPLETION = {"echo": False, "suffix": ""}
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for `logprobs` of /v1/completions
 
@@ -64,7 +67,7 @@ def _is_neutral(value, neutral) -> bool:
 
 def _refuse_unsupported(info: ValidationInfo, value, table: dict):
     if not _is_neutral(value, table[info.field_name]):
-        raise ValueError(f"`{info.field_name}` is not supported by loraplex")
+        raise UnsupportedParameter(f"`{info.field_name}` is not supported by loraplex")
     return value
 
 
@@ -88,11 +91,30 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list | None = None
 
     @field_validator("content", "name")
     @classmethod
     def _content(cls, v):
         return check_text(v, "messages") if isinstance(v, str) else v
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, v):
+        for part in v if isinstance(v, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind is not None and kind != "text":
+                raise UnsupportedParameter(f"content parts of type {kind!r} are not supported by loraplex: the "
+                                           "model takes text only (parts of type \"text\")")
+        return v
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_calls(cls, v):
+        if v:
+            raise UnsupportedParameter("assistant messages with `tool_calls` are not supported by loraplex (it has "
+                                       "no tool calling)")
+        return v
 
     @model_validator(mode="after")
     def _needs_content(self):
@@ -126,7 +148,7 @@ class SamplingFields(BaseModel):
     seed: StrictInt | None = None
     priority: StrictInt | None = Field(None, description="vLLM extension: lower runs first (null: the tenant's "
                                                          "default priority, a quota field)")
-    stream: StrictBool = False
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     frequency_penalty: float | None = None
@@ -139,10 +161,25 @@ class SamplingFields(BaseModel):
     def _in_range(cls, v, info: ValidationInfo):
         return v if v is None else _RANGE_CHECKS[info.field_name](v)
 
+    service_tier: Any = None
+
     @field_validator("n")
     @classmethod
     def _n(cls, v):
         return 1 if v is None else v
+
+    @field_validator("stream")
+    @classmethod
+    def _stream(cls, v):
+        return bool(v)
+
+    @field_validator("service_tier")
+    @classmethod
+    def _service_tier(cls, v):
+        if v not in SERVICE_TIERS:
+            raise UnsupportedParameter(f"service_tier {v!r} is not supported by loraplex: every call runs at "
+                                       "\"default\" (a tenant's urgency is loraplex's `priority` field)")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -185,6 +222,11 @@ class ChatCompletionRequest(SamplingFields):
     function_call: Any = None
     audio: Any = None
     prediction: Any = None
+    modalities: list | None = None
+    store: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -211,7 +253,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    echo: bool = False
+    echo: StrictBool | None = False
     logprobs: StrictInt | None = None
     suffix: str | None = None
     best_of: int | None = None
@@ -244,7 +286,7 @@ class CompletionRequest(SamplingFields):
     @classmethod
     def _best_of(cls, v, info: ValidationInfo):
         if v not in (None, 1, info.data.get("n")):
-            raise ValueError("`best_of` other than 1 or n is not supported by loraplex")
+            raise UnsupportedParameter("`best_of` other than 1 or n is not supported by loraplex")
         return v
 
     @property

@@ -86,6 +86,43 @@ def test_chat_refusals_name_the_field_and_the_range(make_tenant, body, param, me
         assert err["message"] == message
 
 
+@pytest.mark.parametrize("body, param, message", [
+    ({"presence_penalty": 0.5}, "presence_penalty", "`presence_penalty` is not supported by loraplex"),
+    ({"modalities": ["text", "audio"]}, "modalities", "`modalities` is not supported by loraplex"),
+    ({"store": True}, "store", "`store` is not supported by loraplex"),
+    ({"reasoning_effort": "low"}, "reasoning_effort", "`reasoning_effort` is not supported by loraplex"),
+    ({"web_search_options": {}}, "web_search_options", "`web_search_options` is not supported by loraplex"),
+    ({"service_tier": "flex"}, "service_tier", "service_tier 'flex' is not supported by loraplex: every call runs "
+                                               "at \"default\" (a tenant's urgency is loraplex's `priority` field)"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]},
+     "messages.0.content", "messages.0.content: content parts of type 'image_url' are not supported by loraplex: the model takes text "
+                           "only (parts of type \"text\")"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"id": "c1"}]}]},
+     "messages.1.tool_calls", "assistant messages with `tool_calls` are not supported by loraplex (it has no tool "
+                              "calling)"),
+])
+def test_unsupported_parameters_are_refused_with_openais_code(make_tenant, body, param, message):
+    """A field loraplex does not honour, with a value that would change the answer, is a 400 naming it with
+    code `unsupported_parameter` (OpenAI's), never silently ignored."""
+    t = make_tenant()
+    err = error_of(t.client.post("/v1/chat/completions", json={**CHAT, **body}))
+    assert err == {"message": message, "type": "invalid_request_error", "param": param,
+                   "code": "unsupported_parameter"}
+
+
+def test_nulls_and_neutral_values_of_openais_other_fields_are_accepted(make_tenant):
+    """What OpenAI's API takes as null or at the value that changes nothing: stream and echo null,
+    service_tier auto or default, modalities text, store false, metadata, parallel_tool_calls."""
+    t = make_tenant()
+    body = {**CHAT, "stream": None, "service_tier": "auto", "modalities": ["text"], "store": False,
+            "metadata": {"run": "7"}, "parallel_tool_calls": True, "reasoning_effort": None}
+    r = t.client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text
+    r = t.client.post("/v1/completions", json={**COMPLETION, "stream": None, "echo": None, "service_tier": "default"})
+    assert r.status_code == 200 and r.json()["object"] == "text_completion", r.text
+
+
 def test_neutral_values_of_unsupported_fields_are_accepted(make_tenant):
     t = make_tenant()
     body = {**CHAT, "temperature": 0, "n": None, "top_k": 0, "logit_bias": {}, "frequency_penalty": 0, "tools": [],
