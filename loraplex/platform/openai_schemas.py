@@ -123,8 +123,8 @@ class ChatMessage(BaseModel):
         return self
 
     def as_template_message(self) -> dict:
-        if isinstance(self.content, list):
-            text = "".join(p.text for p in self.content)
+        if isinstance(self.content, list):  # text parts one per line, as vLLM's chat_utils joins them
+            text = "\n".join(p.text for p in self.content)
         else:
             text = self.content or ""
         return {"role": "system" if self.role == "developer" else self.role, "content": text}

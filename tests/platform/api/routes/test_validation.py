@@ -123,6 +123,19 @@ def test_nulls_and_neutral_values_of_openais_other_fields_are_accepted(make_tena
     assert r.status_code == 200 and r.json()["object"] == "text_completion", r.text
 
 
+def test_text_parts_are_one_per_line_as_in_vllm(make_tenant):
+    t = make_tenant()
+
+    def call(content):
+        r = t.client.post("/v1/chat/completions", json={**CHAT, "temperature": 0, "max_tokens": 3,
+                                                         "messages": [{"role": "user", "content": content}]})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"], r.json()["choices"][0]["message"]["content"]
+
+    parts = call([{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}])
+    assert parts == call("Say\nhi") and parts[0] != call("Sayhi")[0]
+
+
 def test_neutral_values_of_unsupported_fields_are_accepted(make_tenant):
     t = make_tenant()
     body = {**CHAT, "temperature": 0, "n": None, "top_k": 0, "logit_bias": {}, "frequency_penalty": 0, "tools": [],
