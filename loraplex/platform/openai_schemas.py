@@ -101,6 +101,8 @@ class ChatMessage(BaseModel):
     @field_validator("content", mode="before")
     @classmethod
     def _parts(cls, v):
+        if isinstance(v, list) and not v:  # OpenAI: an array of at least one part
+            raise ValueError("content is an empty list: send a string or at least one text part")
         for part in v if isinstance(v, list) else ():
             kind = part.get("type") if isinstance(part, dict) else None
             if kind is not None and kind != "text":

@@ -72,6 +72,8 @@ def error_of(r, status: int = 400) -> dict:
     ({"messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}, "messages.0.name",
      "messages contains a lone UTF-16 surrogate ('\\ud800' at index 0), which is not valid Unicode"),
     ({"messages": [{"role": "user"}]}, "messages.0", "messages.0: a user message needs `content`"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages.0.content",
+     "messages.0.content: content is an empty list: send a string or at least one text part"),
     ({"messages": [{"role": "system", "content": None}, {"role": "user", "content": "hi"}]}, "messages.0",
      "messages.0: a system message needs `content`"),
 ])
