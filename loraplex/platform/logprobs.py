@@ -6,14 +6,15 @@ Chat (`logprobs: true`, `top_logprobs` 0..20): `{"content": [{"token", "logprob"
 also holds the sampled token, so it has up to `logprobs` + 1 keys (OpenAI's reference; vLLM does the same).
 A token's text is what the tokenizer decodes for it alone, and `bytes` its UTF-8. A token that is only
 part of a character (an emoji or a CJK character split over byte-level BPE tokens) has no text of its
-own: it is written `bytes:` followed by its bytes as `\\xNN` escapes (the form of OpenAI's legacy
-completions), and `bytes` are its real bytes, so a client joins the `bytes` of consecutive tokens back
-into the character; alternatives that are different partial tokens stay apart (vLLM writes each as U+FFFD
-with the bytes of U+FFFD, so their top-logprob keys collide). `text_offset` counts the characters of the
-text before each token; a character split over tokens counts once its last byte has come. Every sampled
-token is listed, the stop token (EOS) included, as vLLM does: the list follows `token_ids`, not the text
-cut at a stop string. A streamed chunk carries the entries of the tokens that arrived since the last chunk
-of its choice.
+own: it is written as its bytes in `\\xNN` escapes (ASCII as itself), with the prefix `bytes:` on
+completions (the forms of OpenAI's chat and legacy completions), and `bytes` are its real bytes, so a
+client joins the `bytes` of consecutive tokens back into the character; alternatives that are different
+partial tokens stay apart (vLLM writes each as U+FFFD with the bytes of U+FFFD, so their top-logprob keys
+collide). `text_offset` counts the characters of the text before each token: a character split over
+tokens counts once its last byte has come, bytes that never complete one as the U+FFFD the text shows.
+Every sampled token is listed, the stop token (EOS) included, as vLLM does: the list follows
+`token_ids`, not the text cut at a stop string. A streamed chunk carries the entries of the tokens that
+arrived since the last chunk of its choice.
 """
 
 from __future__ import annotations
@@ -53,17 +54,21 @@ def _raw_bytes(tokenizer, token_id: int) -> bytes | None:
     return None
 
 
-def _token(tokenizer, token_id: int, cache: dict[int, tuple[str, bytes]]) -> tuple[str, bytes]:
-    """(text, bytes) of one token as the responses show it (the module's docstring)."""
+def _token(tokenizer, token_id: int, cache: dict[int, tuple[str, bytes, bool]]) -> tuple[str, bytes, bool]:
+    """(text, bytes, is part of a character) of one token as chat shows it (the module's docstring)."""
     if token_id not in cache:
         text = tokenizer.decode([token_id])
         raw = _raw_bytes(tokenizer, token_id) if "\ufffd" in text else None
-        if raw is not None and not _is_utf8(raw):  # part of a character
-            cache[token_id] = ("bytes:" + "".join(chr(b) if 32 <= b < 127 and b != 92 else f"\\x{b:02x}"
-                                                  for b in raw), raw)
+        if raw is not None and not _is_utf8(raw):  # part of a character: its bytes, escaped
+            cache[token_id] = ("".join(chr(b) if 32 <= b < 127 and b != 92 else f"\\x{b:02x}" for b in raw), raw, True)
         else:
-            cache[token_id] = (text, text.encode("utf-8"))
+            cache[token_id] = (text, text.encode("utf-8"), False)
     return cache[token_id]
+
+
+def _legacy(token: tuple[str, bytes, bool]) -> str:
+    """A token's text as legacy completions show it: a part of a character gets the `bytes:` prefix."""
+    return "bytes:" + token[0] if token[2] else token[0]
 
 
 def _is_utf8(raw: bytes) -> bool:
@@ -76,10 +81,10 @@ def _is_utf8(raw: bytes) -> bool:
 
 def chat_content(tokenizer, lps: list[TokenLogprobs]) -> list[dict]:
     """The `content` list of a chat choice's `logprobs` for tokens `lps`."""
-    cache: dict[int, tuple[str, bytes]] = {}
+    cache: dict[int, tuple[str, bytes, bool]] = {}
 
     def entry(token_id: int, logprob: float) -> dict:
-        text, raw = _token(tokenizer, token_id, cache)
+        text, raw, _ = _token(tokenizer, token_id, cache)
         return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
@@ -87,15 +92,19 @@ def chat_content(tokenizer, lps: list[TokenLogprobs]) -> list[dict]:
 
 def completion_logprobs(tokenizer, lps: list[TokenLogprobs], text_offset: int = 0) -> dict:
     """A completion choice's `logprobs` for tokens `lps` whose text starts at `text_offset` characters."""
-    cache: dict[int, tuple[str, bytes]] = {}
+    cache: dict[int, tuple[str, bytes, bool]] = {}
     decoder = codecs.getincrementaldecoder("utf-8")("replace")  # holds a split character's first bytes
     tokens, offsets, top = [], [], []
     for lp in lps:
-        text, raw = _token(tokenizer, lp.token_id, cache)
+        token = _token(tokenizer, lp.token_id, cache)
+        text, raw = _legacy(token), token[1]
+        if raw and not 0x80 <= raw[0] < 0xC0:  # not a continuation: held bytes never completed (one U+FFFD)
+            text_offset += len(decoder.decode(b"", final=True))
+            decoder.reset()
         tokens.append(text)
         offsets.append(text_offset)
         text_offset += len(decoder.decode(raw))
-        entries = {_token(tokenizer, t, cache)[0]: v for t, v in lp.top}
+        entries = {_legacy(_token(tokenizer, t, cache)): v for t, v in lp.top}
         entries.setdefault(text, lp.logprob)
         top.append(entries)
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": top,

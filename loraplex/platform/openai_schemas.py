@@ -54,8 +54,8 @@ _RANGE_CHECKS = {
     "priority": check_priority,
 }
 UNSUPPORTED_CHAT = {"tools": [], "tool_choice": "none", "functions": [], "function_call": "none", "audio": None,
-                    "prediction": None, "modalities": ["text"], "store": False, "reasoning_effort": None,
-                    "verbosity": None, "web_search_options": None}
+                    "prediction": None, "modalities": ["text"], "reasoning_effort": "none", "verbosity": None,
+                    "web_search_options": None}
 SERVICE_TIERS = (None, "auto", "default")  # what loraplex serves every call at; "flex", "priority"... are refused
 UNSUPPORTED_COMPLETION = {"echo": False, "suffix": ""}
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for `logprobs` of /v1/completions
@@ -92,6 +92,7 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list | None = None
+    function_call: Any = None
 
     @field_validator("content", "name")
     @classmethod
@@ -110,12 +111,19 @@ class ChatMessage(BaseModel):
                                            "model takes text only (parts of type \"text\")")
         return v
 
-    @field_validator("tool_calls")
+    @field_validator("role", mode="before")
     @classmethod
-    def _tool_calls(cls, v):
+    def _role(cls, v):
+        if v in ("tool", "function"):
+            raise UnsupportedParameter(f"{v} messages are not supported by loraplex (it has no tool calling)")
+        return v
+
+    @field_validator("tool_calls", "function_call")
+    @classmethod
+    def _tool_calls(cls, v, info: ValidationInfo):
         if v:
-            raise UnsupportedParameter("assistant messages with `tool_calls` are not supported by loraplex (it has "
-                                       "no tool calling)")
+            raise UnsupportedParameter(f"assistant messages with `{info.field_name}` are not supported by loraplex "
+                                       "(it has no tool calling)")
         return v
 
     @model_validator(mode="after")
@@ -225,7 +233,6 @@ class ChatCompletionRequest(SamplingFields):
     audio: Any = None
     prediction: Any = None
     modalities: list | None = None
-    store: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None

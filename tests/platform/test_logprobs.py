@@ -89,8 +89,9 @@ def test_completion_top_logprobs_always_hold_the_sampled_token(client):
 
 def test_tokens_that_are_part_of_a_character_keep_their_bytes(tokenizer):
     """SmolLM2's byte-level BPE splits an emoji and CJK characters over tokens that are not text alone: each
-    is written `bytes:\\xNN...` with its real bytes (joined, the bytes give the text back), alternatives that
-    are different partial tokens keep different keys, and text offsets point into the text."""
+    is written as its escaped bytes (`bytes:`-prefixed on completions) with its real bytes (joined, they give
+    the text back), alternatives that are different partial tokens keep different keys, and text offsets
+    point into the text, also past bytes that never complete a character."""
     from loraplex.engine.sampler import TokenLogprobs
     from loraplex.platform.logprobs import chat_content, completion_logprobs
 
@@ -101,11 +102,20 @@ def test_tokens_that_are_part_of_a_character_keep_their_bytes(tokenizer):
     lps = [TokenLogprobs(t, -1.0, tuple((p, -2.0 - n) for n, p in enumerate(partial))) for t in ids]
     content = chat_content(tokenizer, lps)
     assert b"".join(bytes(e["bytes"]) for e in content).decode() == text
-    emoji = next(e for e in content if e["token"].startswith("bytes: "))
-    assert emoji["token"] == "bytes: \\xf0\\x9f\\x98" and emoji["bytes"] == [32, 0xF0, 0x9F, 0x98]
+    emoji = next(e for e in content if e["token"].startswith(" \\x"))
+    assert emoji["token"] == " \\xf0\\x9f\\x98" and emoji["bytes"] == [32, 0xF0, 0x9F, 0x98]
     assert len({e["token"] for e in content[0]["top_logprobs"]}) == len(partial)
     legacy = completion_logprobs(tokenizer, lps)
     assert all(len(top) == len(partial) + 1 for top in legacy["top_logprobs"][:3])  # + the sampled, whole token
     for token, offset in zip(legacy["tokens"], legacy["text_offset"], strict=True):
         assert token.startswith("bytes:") or text[offset:].startswith(token)
     assert legacy["text_offset"][-1] == text.index(" ok")
+    assert "bytes: \\xf0\\x9f\\x98" in legacy["tokens"]
+
+    cut = [*tokenizer.encode("Hi"), tokenizer.encode(" \U0001F600")[0], *tokenizer.encode(" abc x")]  # 3 of 4 bytes
+    shown = tokenizer.decode(cut)
+    assert shown == "Hi \ufffd abc x"
+    legacy = completion_logprobs(tokenizer, [TokenLogprobs(t, -1.0) for t in cut])
+    assert legacy["text_offset"] == [0, 2, 4, 8]
+    for token, offset in zip(legacy["tokens"], legacy["text_offset"], strict=True):
+        assert token.startswith("bytes:") or shown[offset:].startswith(token)

@@ -91,7 +91,6 @@ def test_chat_refusals_name_the_field_and_the_range(make_tenant, body, param, me
 @pytest.mark.parametrize("body, param, message", [
     ({"presence_penalty": 0.5}, "presence_penalty", "`presence_penalty` is not supported by loraplex"),
     ({"modalities": ["text", "audio"]}, "modalities", "`modalities` is not supported by loraplex"),
-    ({"store": True}, "store", "`store` is not supported by loraplex"),
     ({"reasoning_effort": "low"}, "reasoning_effort", "`reasoning_effort` is not supported by loraplex"),
     ({"web_search_options": {}}, "web_search_options", "`web_search_options` is not supported by loraplex"),
     ({"service_tier": "flex"}, "service_tier", "service_tier 'flex' is not supported by loraplex: every call runs "
@@ -103,6 +102,12 @@ def test_chat_refusals_name_the_field_and_the_range(make_tenant, body, param, me
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"id": "c1"}]}]},
      "messages.1.tool_calls", "assistant messages with `tool_calls` are not supported by loraplex (it has no tool "
                               "calling)"),
+    ({"messages": [{"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}},
+                   {"role": "user", "content": "hi"}]},
+     "messages.0.function_call", "assistant messages with `function_call` are not supported by loraplex (it has no "
+                                 "tool calling)"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "c1"}]},
+     "messages.1.role", "tool messages are not supported by loraplex (it has no tool calling)"),
 ])
 def test_unsupported_parameters_are_refused_with_openais_code(make_tenant, body, param, message):
     """A field loraplex does not honour, with a value that would change the answer, is a 400 naming it with
@@ -114,11 +119,12 @@ def test_unsupported_parameters_are_refused_with_openais_code(make_tenant, body,
 
 
 def test_nulls_and_neutral_values_of_openais_other_fields_are_accepted(make_tenant):
-    """What OpenAI's API takes as null or at the value that changes nothing: stream and echo null,
-    service_tier auto or default, modalities text, store false, metadata, parallel_tool_calls."""
+    """What OpenAI's API takes as null, and fields that change nothing here: stream and echo null,
+    service_tier auto or default, modalities text, reasoning_effort none, store (nothing is stored, as in
+    vLLM), metadata, parallel_tool_calls."""
     t = make_tenant()
-    body = {**CHAT, "stream": None, "service_tier": "auto", "modalities": ["text"], "store": False,
-            "metadata": {"run": "7"}, "parallel_tool_calls": True, "reasoning_effort": None}
+    body = {**CHAT, "stream": None, "service_tier": "auto", "modalities": ["text"], "store": True,
+            "metadata": {"run": "7"}, "parallel_tool_calls": True, "reasoning_effort": "none"}
     r = t.client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text
     r = t.client.post("/v1/completions", json={**COMPLETION, "stream": None, "echo": None, "service_tier": "default"})
