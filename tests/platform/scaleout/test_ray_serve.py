@@ -200,7 +200,11 @@ def test_a_hung_replica_ends_its_calls_with_503_and_new_calls_go_elsewhere(tenan
 
     with ThreadPoolExecutor(2) as pool:
         inflight = [pool.submit(timed_chat) for _ in range(2)]
-        time.sleep(2.0)  # decoding on the victim
+        # decoding on the victim (a fixed 2 s was too short on a loaded machine: the calls had not reached it,
+        # so they went to the other replica after ACCEPT_S and none was lost)
+        wait_until(lambda: unfinished_by_replica().get(victim, 0) >= 1, timeout=60, interval=0.1,
+                   what="the calls to run on the victim")
+        time.sleep(0.5)  # its "received" items reach the ingress
         os.kill(pid, signal.SIGSTOP)
         try:
             stopped = time.monotonic()
@@ -287,7 +291,9 @@ def test_a_killed_replica_ends_its_calls_with_503_and_is_replaced(cluster, tenan
     before = {r[0] for r in records()}
     with ThreadPoolExecutor(4) as pool:
         inflight = [pool.submit(tenant.chat, model=model, max_tokens=400, ignore_eos=True) for _ in range(4)]
-        time.sleep(2.0)  # they are decoding on the victim
+        wait_until(lambda: unfinished_by_replica().get(victim, 0) >= 1, timeout=60, interval=0.1,
+                   what="the calls to run on the victim")
+        time.sleep(0.5)  # its "received" items reach the ingress
         actor = ray.get_actor(f"SERVE_REPLICA::{scaleout.APP_NAME}#{scaleout.ENGINE_DEPLOYMENT}#{victim}",
                               namespace="serve")
         ray.kill(actor, no_restart=True)
