@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 
@@ -298,21 +299,12 @@ def test_a_killed_process_frees_its_slots_within_one_lease(redis_server):
 
 def test_slots_that_expired_in_a_partition_come_back_when_it_heals(redis_server):
     """A call that outlives a partition longer than its lease holds its slot again once Redis answers."""
-    from redis.asyncio import Redis
-
-    from loraplex.platform.quotas.service import QuotaService
-
     async def main():
-        partition = Partition(redis_server.port)
-        port = await partition.start()
-        service = QuotaService(RedisBackend(f"redis://127.0.0.1:{port}/0", timeout_s=0.2), lease_s=1.0)
-        direct = Redis.from_url(redis_server.url, decode_responses=True)
+        async with through_partition(redis_server, 0.2, lease_s=1.0) as (service, partition, direct):
+            async def held(cc):  # slots whose lease has not run out, on Redis's clock
+                now = await direct.time()
+                return await direct.zcount(cc, f"({now[0] * 1000 + now[1] / 1000:.3f}", "+inf")
 
-        async def held(cc):  # slots whose lease has not run out, on Redis's clock
-            now = await direct.time()
-            return await direct.zcount(cc, f"({now[0] * 1000 + now[1] / 1000:.3f}", "+inf")
-
-        try:
             ticket = await service.admit(next(_tenants), Limits(max_concurrent_requests=1), cost=1, request_id="a")
             cc = ticket.keys[2]
             partition.dropping = True
@@ -326,10 +318,6 @@ def test_slots_that_expired_in_a_partition_come_back_when_it_heals(redis_server)
             assert await held(cc) == 1
             await service.settle(ticket, 1)
             assert await held(cc) == 0
-        finally:
-            await service.close()
-            await direct.aclose()
-            await partition.close()
 
     asyncio.run(main())
 
@@ -338,15 +326,11 @@ def test_calls_admitted_locally_in_an_outage_keep_their_slots(redis_server):
     """With Redis cut off, the calls admitted on the local fallback are renewed there while the renewal of
     the calls admitted on Redis before the outage keeps failing: one never holds up the other."""
     from loraplex.platform.errors import APIError
-    from loraplex.platform.quotas.service import QuotaService
 
     async def main():
-        partition = Partition(redis_server.port)
-        port = await partition.start()
-        service = QuotaService(RedisBackend(f"redis://127.0.0.1:{port}/0", timeout_s=0.2), lease_s=0.6)
         limits = Limits(max_concurrent_requests=1)
         before, during = next(_tenants), next(_tenants)
-        try:
+        async with through_partition(redis_server, 0.2, lease_s=0.6) as (service, partition, _):
             on_redis = await service.admit(before, limits, cost=1, request_id="on-redis")
             partition.dropping = True
             local = await service.admit(during, limits, cost=1, request_id="local")
@@ -357,10 +341,6 @@ def test_calls_admitted_locally_in_an_outage_keep_their_slots(redis_server):
             assert "Too many concurrent requests: Limit 1" in refused.value.message
             for ticket in (local, on_redis):
                 await service.settle(ticket, 1)
-        finally:
-            partition.dropping = False
-            await service.close()
-            await partition.close()
 
     asyncio.run(main())
 
@@ -495,23 +475,36 @@ class Partition:
         self.server.close()
 
 
+@contextlib.asynccontextmanager
+async def through_partition(redis_server, timeout_s: float, **service_kwargs):
+    """(service, partition, direct): a QuotaService on the session's Redis through a Partition, and a client
+    that reads Redis directly; all closed at the end, the partition healed first."""
+    from redis.asyncio import Redis
+
+    from loraplex.platform.quotas.service import QuotaService
+
+    partition = Partition(redis_server.port)
+    port = await partition.start()
+    service = QuotaService(RedisBackend(f"redis://127.0.0.1:{port}/0", timeout_s=timeout_s), **service_kwargs)
+    direct = Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        yield service, partition, direct
+    finally:
+        partition.dropping = False
+        await service.close()
+        await direct.aclose()
+        await partition.close()
+
+
 @pytest.mark.parametrize("replies_only", [False, True], ids=["both-ways", "replies-lost"])
 def test_a_settle_lost_to_a_partition_is_sent_again_when_redis_answers(redis_server, replies_only):
     """A settle that times out while Redis is cut off is held and sent again: once the partition heals the
     tenant's concurrency slot is free in seconds, not after its lease, and its unused tokens come back once,
     whether the first settle never reached Redis or ran there and only its answer was lost."""
-    from redis.asyncio import Redis
-
-    from loraplex.platform.quotas.service import QuotaService
-
     async def main():
-        partition = Partition(redis_server.port)
-        port = await partition.start()
-        service = QuotaService(RedisBackend(f"redis://127.0.0.1:{port}/0", timeout_s=0.3), lease_s=600)
-        direct = Redis.from_url(redis_server.url, decode_responses=True)
         tenant = next(_tenants)
         limits = Limits(tpm=100, max_concurrent_requests=1)
-        try:
+        async with through_partition(redis_server, 0.3, lease_s=600) as (service, partition, direct):
             ticket = await service.admit(tenant, limits, cost=60, request_id="a")
             cc = ticket.keys[2]
             assert await direct.zcard(cc) == 1
@@ -529,10 +522,6 @@ def test_a_settle_lost_to_a_partition_is_sent_again_when_redis_answers(redis_ser
             # 10 used + 50 of 100, plus what the bucket refilled over the test's seconds (1.7 a second);
             # given back twice it would be about 50
             assert 40 <= int(again.headers["x-ratelimit-remaining-tokens"]) <= 45, again.headers
-        finally:
-            await service.close()
-            await direct.aclose()
-            await partition.close()
 
     asyncio.run(main())
 
@@ -540,26 +529,15 @@ def test_a_settle_lost_to_a_partition_is_sent_again_when_redis_answers(redis_ser
 def test_settles_held_at_shutdown_are_sent_once_more(redis_server):
     """close() right after Redis comes back (before the resend's first wait is over) still sends what it
     holds; the slot is free."""
-    from redis.asyncio import Redis
-
-    from loraplex.platform.quotas.service import QuotaService
-
     async def main():
-        partition = Partition(redis_server.port)
-        port = await partition.start()
-        service = QuotaService(RedisBackend(f"redis://127.0.0.1:{port}/0", timeout_s=0.3))
-        direct = Redis.from_url(redis_server.url, decode_responses=True)
         limits = Limits(max_concurrent_requests=1)
-        try:
+        async with through_partition(redis_server, 0.3) as (service, partition, direct):
             ticket = await service.admit(next(_tenants), limits, cost=1, request_id="a")
             partition.dropping = True
             await service.settle(ticket, 1)
             partition.dropping = False
             await service.close()
             assert await direct.zcard(ticket.keys[2]) == 0 and service.num_unsettled == 0
-        finally:
-            await direct.aclose()
-            await partition.close()
 
     asyncio.run(main())
 
