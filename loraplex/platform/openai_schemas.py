@@ -165,13 +165,12 @@ class SamplingFields(BaseModel):
     presence_penalty: float | None = None
     logit_bias: dict | None = None
     response_format: dict | None = Field(None, description="text, json_object or json_schema (response_format.py)")
+    service_tier: Any = None
 
     @field_validator(*_RANGE_CHECKS)
     @classmethod
     def _in_range(cls, v, info: ValidationInfo):
         return v if v is None else _RANGE_CHECKS[info.field_name](v)
-
-    service_tier: Any = None
 
     @field_validator("n")
     @classmethod
