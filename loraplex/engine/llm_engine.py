@@ -280,6 +280,8 @@ class LLMEngine:
 
     def _update(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         before_update = None if self.inject_fault is None else (lambda r: self.inject_fault("update", r))
+        for rid, lps in result.prompt_logprobs.items():  # before any output of this step is built
+            self.requests[rid].prompt_logprobs.extend(lps)
         update = self.scheduler.update_from_output(sched, result.tokens, result.errors, before_update)
         outputs = [self._last_output(req) for req in sched.aborted]
         self.num_generated_tokens += len(update.new_tokens)
@@ -322,7 +324,8 @@ class LLMEngine:
         return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                              token_ids=list(req.output_token_ids), text=detok.text if detok else "",
                              finish_reason=req.finish_reason, adapter=req.adapter, error=req.error,
-                             adapter_failed=req.adapter_failed, num_cached_tokens=max(0, req.num_cached_tokens))
+                             adapter_failed=req.adapter_failed, num_cached_tokens=max(0, req.num_cached_tokens),
+                             prompt_logprobs=_prompt_logprobs(req, copy=True))
 
     def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
         detok = self.detokenizers[req.request_id]
@@ -343,7 +346,17 @@ class LLMEngine:
                              adapter=req.adapter, ttft_s=ttft, latency_s=latency, delta_text=delta,
                              delta_token_ids=new_tokens, error=req.error,
                              adapter_failed=req.adapter_failed, num_cached_tokens=max(0, req.num_cached_tokens),
-                             logprobs=logprobs, delta_logprobs=delta_logprobs)
+                             logprobs=logprobs, delta_logprobs=delta_logprobs,
+                             prompt_logprobs=_prompt_logprobs(req, copy=req.is_finished))
+
+
+def _prompt_logprobs(req: Request, copy: bool) -> list | None:
+    """What an output of `req` carries as `prompt_logprobs`: None unless asked; else its list, shared by
+    its outputs while it runs (complete by its first token, and never appended to after: no per-step
+    copy), copied in its last output."""
+    if req.sampling_params.prompt_logprobs is None:
+        return None
+    return list(req.prompt_logprobs) if copy else req.prompt_logprobs
 
 
 def _load_tokenizer(path: Path | None):

@@ -1,7 +1,8 @@
 """Turns a `SchedulerOutput` into tensors, runs the model and samples.
 
-Letters: T tokens in the step, B requests that sample a token this step, C context length (tokens),
-nKV key/value heads, D head dim.
+Letters: T tokens in the step, B requests that sample a token this step, R rows that score a prompt
+token (`SamplingParams.prompt_logprobs`), C context length (tokens), nKV key/value heads, D head dim,
+H hidden size, V vocabulary size.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from loraplex.engine.attention import AttentionMetadata, PrefillChunk
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.model import LlamaModel
 from loraplex.engine.request import Request
-from loraplex.engine.sampler import TokenLogprobs, sample_rows
+from loraplex.engine.sampler import TokenLogprobs, prompt_token_logprobs, sample_rows
 from loraplex.engine.scheduler import SchedulerOutput
 from loraplex.kernels import build_lora_meta, huge_pages
 from loraplex.model_config import ModelConfig
@@ -31,11 +32,22 @@ def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dty
 class StepResult:
     """What one step produced, by request id: the sampled token of each request whose tokens are now
     all computed, or the exception its sampling raised (that request alone is ended), and the
-    log-probabilities of the tokens whose requests ask for them."""
+    log-probabilities of the tokens whose requests ask for them, and of the prompt tokens the step scored
+    (in prompt order, continuing the request's `prompt_logprobs`)."""
 
     tokens: dict[str, int] = field(default_factory=dict)
     errors: dict[str, Exception] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+@dataclass
+class ScoredRows:
+    """A step's rows whose hidden states score prompt tokens: `rows` [R] (indices into the T rows), and per
+    request in the step's order, (request, the position of its first such row, how many rows are its)."""
+
+    rows: list[int] = field(default_factory=list)
+    requests: list[tuple[Request, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -65,7 +77,8 @@ class ModelRunner:
     def prepare(self, sched: SchedulerOutput, slot_ranks: list[int]):
         """Flatten the step: decodes (one new token) first, then prefill chunks.
 
-        Returns (input_ids [T], positions [T], AttentionMetadata, LoRAMeta, sampled requests, their rows).
+        Returns (input_ids [T], positions [T], AttentionMetadata, LoRAMeta, sampled requests, their rows,
+        `ScoredRows`).
         """
         reqs = sorted(sched.requests, key=lambda r: sched.num_scheduled_tokens[r.request_id] != 1)
         ids: list[int] = []
@@ -75,6 +88,7 @@ class ModelRunner:
         sampled: list[Request] = []
         prefills: list[PrefillChunk] = []
         context_lens: list[int] = []
+        scored = ScoredRows()
         num_decodes = 0
         for seq, req in enumerate(reqs):
             n = sched.num_scheduled_tokens[req.request_id]
@@ -91,6 +105,10 @@ class ModelRunner:
             if end == req.num_tokens:
                 sampled.append(req)
                 sample_rows.append(len(ids) - 1)
+            prompt_rows = req.prompt_logprob_rows(start, end)
+            if prompt_rows:
+                scored.rows += [row + p - start for p in prompt_rows]
+                scored.requests.append((req, prompt_rows.start, len(prompt_rows)))
         slot_mapping = [self.block_manager.slot(req, p) for req in reqs
                         for p in range(req.num_computed_tokens,
                                        req.num_computed_tokens + sched.num_scheduled_tokens[req.request_id])]
@@ -101,19 +119,25 @@ class ModelRunner:
         lora = build_lora_meta(slot_ids, self.device, slot_ranks=slot_ranks) if any(
             s >= 0 for s in slot_ids) else None
         as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)
-        return as_tensor(ids), as_tensor(positions), attn, lora, sampled, sample_rows
+        return as_tensor(ids), as_tensor(positions), attn, lora, sampled, sample_rows, scored
 
     def execute(self, sched: SchedulerOutput, slot_ranks: list[int],
                 before_sample: Callable[[Request], None] | None = None) -> StepResult:
         """Run one step and sample. An exception of the forward pass propagates (no request is to blame);
-        one of a row's sampling is that row's entry in `StepResult.errors`."""
-        input_ids, positions, attn, lora, sampled, rows = self.prepare(sched, slot_ranks)
-        # the last layer's MLP on the sampled rows only, unless they are all the rows (a decode-only step)
-        every = len(rows) == len(input_ids)  # rows are in step order, so then they are 0 .. T - 1
+        one of a row's sampling is that row's entry in `StepResult.errors`, as is one of its prompt
+        log-probabilities (non-finite logits)."""
+        input_ids, positions, attn, lora, sampled, rows, scored = self.prepare(sched, slot_ranks)
+        # the last layer's MLP on the sampled rows only (and those scoring prompt tokens), unless they are
+        # all the rows (a decode-only step)
+        rows = rows + scored.rows
+        every = len(rows) == len(input_ids) and not scored.rows  # sampled rows are in step order: 0 .. T - 1
         out_rows = None if every else torch.tensor(rows, dtype=torch.int64, device=self.device)
         out_lora = None if every or lora is None else lora.select(rows)  # from host lists: no device sync
-        hidden = self.model(input_ids, positions, self.kv_caches, attn, lora, out_rows, out_lora)  # [B, H]
+        hidden = self.model(input_ids, positions, self.kv_caches, attn, lora, out_rows, out_lora)  # [B + R, H]
         result = StepResult()
+        if scored.rows:
+            self._score_prompts(hidden[len(sampled):], scored, result)
+            hidden = hidden[:len(sampled)]  # [B, H]
         tokens: list[int | None] = [None] * len(sampled)
         errors: list[Exception | None] = [None] * len(sampled)
         logprobs: list[TokenLogprobs | None] = [None] * len(sampled)
@@ -130,6 +154,24 @@ class ModelRunner:
             else:
                 result.errors[req.request_id] = error
         return result
+
+    def _score_prompts(self, hidden: torch.Tensor, scored: ScoredRows, result: StepResult) -> None:
+        """Each scored row's prompt token log-probability into `result.prompt_logprobs` (a request whose
+        logits are not finite gets its error in `result.errors` instead). hidden: [R, H] of `scored.rows`."""
+        first = 0
+        targets, ks = [], []
+        for req, p0, n in scored.requests:  # position p scores prompt token p + 1
+            targets += req.prompt_token_ids[p0 + 1:p0 + 1 + n]
+            ks += [req.sampling_params.prompt_logprobs] * n
+        lps, finite = prompt_token_logprobs(self.model.compute_logits, hidden, targets, ks)
+        for req, _, n in scored.requests:
+            if all(finite[first:first + n]):
+                result.prompt_logprobs[req.request_id] = lps[first:first + n]
+            else:
+                result.errors[req.request_id] = ValueError(
+                    "the model produced non-finite logits (NaN or Inf) at a prompt position; the request's adapter "
+                    "may have weights too large for the model's dtype")
+            first += n
 
     def _greedy(self, hidden: torch.Tensor, sampled: list[Request], tokens: list, errors: list,
                 before_sample: Callable[[Request], None] | None) -> list[int]:

@@ -56,6 +56,9 @@ class Request:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list, repr=False)  # one per output token if asked
+    # if `SamplingParams.prompt_logprobs` asks: prompt token i's entry at index i (None for token 0), as far
+    # as computed; complete before the first output token is sampled, and never recomputed after preemption
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list, repr=False)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -79,6 +82,8 @@ class Request:
     grammar: GrammarState | None = field(default=None, repr=False)  # its json_schema's matcher state, if any
 
     def __post_init__(self) -> None:
+        if self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs.append(None)  # the first prompt token has no context to be scored on
         if self.sampling_params.seed is None:
             self.seed = random.getrandbits(63)
         else:
@@ -110,6 +115,19 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asks for prompt log-probabilities and some are not computed yet: it may not take its prompt's
+        K/V from the prefix cache (their positions' hidden states are needed)."""
+        return self.sampling_params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def prompt_logprob_rows(self, start: int, end: int) -> range:
+        """Of positions start..end-1 about to be computed, those whose hidden state scores a prompt token
+        not scored yet (position p scores token p + 1): empty unless prompt log-probabilities are asked."""
+        if self.sampling_params.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs) - 1), min(end, self.num_prompt_tokens - 1))
+
+    @property
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED_STOPPED
 
@@ -130,6 +148,10 @@ class RequestOutput:
     from the prefix cache at its first admission (0: none, or caching off; OpenAI's
     `usage.prompt_tokens_details.cached_tokens`). logprobs: None unless `SamplingParams.logprobs` asked,
     else one `sampler.TokenLogprobs` per token of `token_ids` (delta_logprobs: those of delta_token_ids).
+    prompt_logprobs: None unless `SamplingParams.prompt_logprobs` asked, else one entry per prompt token,
+    None for the first (vLLM's shape), each a `TokenLogprobs` whose `top` holds the most likely tokens at
+    that position; complete in every output that has a token or finished normally, shorter only in the
+    last output of a request aborted during its prefill. Every output of a request shares the one list.
 
     The engine builds one output per request per step, so `token_ids` and `text` may be given as
     functions (an unfinished request's prefix of its output list, its detokenizer's `snapshot`) and are
@@ -139,14 +161,15 @@ class RequestOutput:
 
     __slots__ = ("request_id", "prompt_token_ids", "_token_ids", "_text", "finish_reason", "adapter", "ttft_s",
                  "latency_s", "delta_text", "delta_token_ids", "error", "adapter_failed", "num_cached_tokens",
-                 "_logprobs", "delta_logprobs")
+                 "_logprobs", "delta_logprobs", "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  token_ids: list[int] | Callable[[], list[int]], text: str | Callable[[], str],
                  finish_reason: str | None, adapter: str | None, ttft_s: float | None = None,
                  latency_s: float | None = None, delta_text: str = "", delta_token_ids: list[int] | None = None,
                  error: str | None = None, adapter_failed: bool = False, num_cached_tokens: int = 0,
-                 logprobs: list | Callable[[], list] | None = None, delta_logprobs: list | None = None):
+                 logprobs: list | Callable[[], list] | None = None, delta_logprobs: list | None = None,
+                 prompt_logprobs: list | None = None):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self._token_ids = token_ids
@@ -162,6 +185,7 @@ class RequestOutput:
         self.num_cached_tokens = num_cached_tokens
         self._logprobs = logprobs
         self.delta_logprobs = delta_logprobs
+        self.prompt_logprobs = prompt_logprobs
 
     @property
     def token_ids(self) -> list[int]:
@@ -196,7 +220,7 @@ class RequestOutput:
     def _fields(self) -> tuple:
         return (self.request_id, self.prompt_token_ids, self.token_ids, self.text, self.finish_reason, self.adapter,
                 self.ttft_s, self.latency_s, self.delta_text, self.delta_token_ids, self.error, self.adapter_failed,
-                self.num_cached_tokens, self.logprobs, self.delta_logprobs)
+                self.num_cached_tokens, self.logprobs, self.delta_logprobs, self.prompt_logprobs)
 
     def __reduce__(self):  # pickled with its lists built (the functions of an unfinished one do not pickle)
         return RequestOutput, self._fields()

@@ -68,6 +68,35 @@ def token_logprobs(logits: torch.Tensor, requests: list[Request], tokens: list[i
     return out
 
 
+PROMPT_LOGITS_ROWS = 128  # prompt rows whose logits exist at once: [128, V] fp32 is 25 MB at V = 49152
+
+
+def prompt_token_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                          targets: list[int], ks: list[int]) -> tuple[list[TokenLogprobs], list[bool]]:
+    """Score prompt tokens: hidden [R, H] (row r the final hidden state of the position before token
+    targets[r]), compute_logits [r, H] -> fp32 [r, V] (`LlamaModel.compute_logits`) -> each row's
+    `TokenLogprobs` of targets[r] with its ks[r] most likely tokens (natural log, the raw logits' log-softmax,
+    as the output tokens' `token_logprobs`), and whether the row's logits were all finite (a row that was
+    not gets NaN values). The logits are made PROMPT_LOGITS_ROWS rows at a time, so a long prompt's
+    [R, V] never exists whole."""
+    out: list[TokenLogprobs] = []
+    finite: list[bool] = []
+    k = max(ks, default=0)
+    for i in range(0, len(targets), PROMPT_LOGITS_ROWS):
+        logits = compute_logits(hidden[i:i + PROMPT_LOGITS_ROWS])  # [r, V]
+        finite += torch.isfinite(logits).all(dim=-1).tolist()
+        lp = torch.log_softmax(logits, dim=-1)
+        rows = targets[i:i + PROMPT_LOGITS_ROWS]
+        chosen = lp.gather(1, torch.tensor(rows, device=lp.device)[:, None])[:, 0].tolist()
+        top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())  # [r, K]
+        for j, (token, value, ids, values) in enumerate(zip(rows, chosen, top_ids.tolist(), top_lp.tolist(),
+                                                            strict=True)):
+            n = ks[i + j]
+            top = tuple((t, p) for t, p in zip(ids[:n], values[:n], strict=True) if p != float("-inf"))
+            out.append(TokenLogprobs(token, value, top))
+    return out, finite
+
+
 def _row_seed(seed: int, index: int) -> int:
     return (seed * 6364136223846793005 + (index + 1) * 1442695040888963407) & _MASK
 

@@ -81,8 +81,8 @@ def check_priority(v) -> int:
 
 
 def check_logprobs(v, name: str = "logprobs", upper: int = MAX_LOGPROBS) -> int | None:
-    """None (no log-probabilities) or the number of most likely tokens to report with each output token's,
-    0..upper."""
+    """None (no log-probabilities) or the number of most likely tokens to report with each output (or
+    prompt) token's, 0..upper."""
     if v is not None and (not _is_int(v) or not 0 <= v <= upper):
         raise ParamError(name, f"{name} must be an integer in [0, {upper}], got {v!r}")
     return v
@@ -140,7 +140,11 @@ class SamplingParams:
     the scheduler's "fair" policy (`loraplex.engine.fair_share`); "fcfs" ignores it. logprobs: None, or
     report each output token's log-probability with the `logprobs` most likely tokens' (0..20; vLLM's
     field, its default "raw_logprobs": the model's logits before temperature, top-k and top-p;
-    `RequestOutput.logprobs`). json_schema: None, or a JSON Schema object the output must follow
+    `RequestOutput.logprobs`). prompt_logprobs: None, or report the log-probability of every prompt token
+    after the first (given the tokens before it) with the `prompt_logprobs` most likely tokens' (0..20;
+    vLLM's field; `RequestOutput.prompt_logprobs`). Such a request computes its whole prompt: its logits
+    need every position's hidden state, so it takes nothing from the prefix cache until they are all
+    computed. json_schema: None, or a JSON Schema object the output must follow
     (constrained decoding, `loraplex.engine.structured_output`; `{"type": "object"}` is OpenAI's
     json_object mode); the output ends with "stop" when the JSON value closes, with "length" if it is
     still open at max_tokens. Raises ParamError (a ValueError) for out-of-range values; a schema the
@@ -157,6 +161,7 @@ class SamplingParams:
     ignore_eos: bool = False
     priority: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     json_schema: dict | None = None
 
     def __post_init__(self) -> None:
@@ -169,6 +174,7 @@ class SamplingParams:
         self.stop_token_ids = check_stop_token_ids(self.stop_token_ids)
         check_priority(self.priority)
         check_logprobs(self.logprobs)
+        check_logprobs(self.prompt_logprobs, "prompt_logprobs")
         if self.json_schema is not None and not isinstance(self.json_schema, dict):
             raise ParamError("json_schema", f"json_schema must be a JSON Schema object (a dict) or None, got "
                                             f"{type(self.json_schema).__name__}")

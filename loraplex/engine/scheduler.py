@@ -305,9 +305,11 @@ class Scheduler:
         """Blocks for waiting `req` (nothing computed): its cached prefix first (prefix caching), then up to
         `budget` tokens after it. Returns the tokens to schedule now, or None (nothing taken) when the KV
         cache is short. A hit counts as computed: it is neither prefilled nor charged to the tenant's
-        fair-share counter (served, not computed), while quotas still count the whole prompt (gateway)."""
+        fair-share counter (served, not computed), while quotas still count the whole prompt (gateway).
+        A request that still needs prompt log-probabilities takes no hit: it computes every position
+        (vLLM skips the prefix cache for such requests too)."""
         bm = self.block_manager
-        hit = bm.computed_blocks(req)
+        hit = [] if req.needs_prompt_logprobs else bm.computed_blocks(req)
         num_cached = len(hit) * bm.block_size
         num_new = min(req.num_tokens - num_cached, budget)
         if not bm.allocate(req, num_new, hit):

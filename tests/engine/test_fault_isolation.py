@@ -155,21 +155,26 @@ def test_a_failing_forward_pass_ends_the_batch_and_the_engine_keeps_serving(mode
     asyncio.run(main())
 
 
-def test_an_adapter_whose_weights_overflow_ends_its_requests_alone(engine, tokenizer, tmp_path):
+@pytest.mark.parametrize("prompt_logprobs", [None, 2])
+def test_an_adapter_whose_weights_overflow_ends_its_requests_alone(engine, tokenizer, tmp_path, prompt_logprobs):
     """Finite weights so large that the forward overflows (upload takes them: they are finite) give NaN
-    logits on that adapter's rows only: those requests end with the reason, the other rows keep their tokens."""
+    logits on that adapter's rows only: those requests end with the reason, the other rows keep their tokens.
+    So do the logits of its prompt positions, when it asks for their log-probabilities."""
     rows = batch_of_eight(tokenizer)[::2]  # base rows only: the fixture's two slots hold b's adapter and this one
     clean = run(engine, rows)
     write_random_adapter(tmp_path / "huge", engine.model_config, r=8, alpha=8e6, seed=5, b_std=1e37)
     engine.adapters.register("huge", tmp_path / "huge")
     try:
-        engine.add_request(chat_ids(tokenizer, "Hello there"), SamplingParams(max_tokens=6, temperature=0),
+        engine.add_request(chat_ids(tokenizer, "Hello there"), SamplingParams(max_tokens=6, temperature=0,
+                                                                              prompt_logprobs=prompt_logprobs),
                            "huge", request_id="poison-huge")
         mixed = run(engine, rows)
     finally:
         engine.adapters.unregister("huge")
     bad = mixed.pop("poison-huge")
     assert bad.finish_reason == "abort" and bad.token_ids == []
-    assert bad.error.startswith("ValueError: the model produced non-finite logits (NaN or Inf) in 1 of 1 row(s)")
+    reason = " in 1 of 1 row(s)" if prompt_logprobs is None else ""  # the prompt's may come first (another text)
+    assert bad.error.startswith(f"ValueError: the model produced non-finite logits (NaN or Inf){reason}")
+    assert bad.prompt_logprobs == (None if prompt_logprobs is None else [None])  # none computed finite
     assert {rid: o.token_ids for rid, o in mixed.items()} == {rid: o.token_ids for rid, o in clean.items()}
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks and not engine.requests

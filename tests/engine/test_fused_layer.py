@@ -51,7 +51,7 @@ def _mixed_step(engine: LLMEngine):
     engine.step()  # both prefilled; next step decodes them
     engine.add_request(torch.randint(0, 49152, (70,), generator=gen).tolist(), params)
     sched = engine.scheduler.schedule()
-    input_ids, positions, attn, lora, _, _ = engine.runner.prepare(sched, engine.adapters.slot_ranks)
+    input_ids, positions, attn, lora, _, _, _ = engine.runner.prepare(sched, engine.adapters.slot_ranks)
     assert attn.num_decode_tokens == 2 and len(attn.prefills) == 1 and lora is None
     return input_ids, positions, attn
 

@@ -113,7 +113,7 @@ def test_first_step_logits_within_1e3_of_peft(llm, peft_model, tokenizer):
             for ids, a in zip(prompts, rows, strict=True)]
     sched = engine.scheduler.schedule()
     assert len(sched.requests) == len(rows)
-    input_ids, positions, attn, lora, sampled, sample_rows = engine.runner.prepare(sched, engine.adapters.slot_ranks)
+    input_ids, positions, attn, lora, sampled, sample_rows, _ = engine.runner.prepare(sched, engine.adapters.slot_ranks)
     hidden = engine.model(input_ids, positions, engine.runner.kv_caches, attn, lora)
     ours = engine.model.compute_logits(hidden[sample_rows])
     for req in reqs:
@@ -148,7 +148,7 @@ def test_the_last_layer_on_the_sampled_rows_alone_gives_their_rows_of_the_full_f
     real_rows = attention.paged_attention_rows
     monkeypatch.setattr(attention, "paged_attention_rows", lambda q, r, *a: attended.append(r) or real_rows(q, r, *a))
     try:
-        input_ids, positions, attn, lora, sampled, sample_rows = engine.runner.prepare(sched, engine.adapters.slot_ranks)
+        input_ids, positions, attn, lora, sampled, sample_rows, _ = engine.runner.prepare(sched, engine.adapters.slot_ranks)
         assert len(sampled) == len(rows) and (lora is not None) == adapters and len(sample_rows) < len(input_ids)
         full = engine.model(input_ids, positions, engine.runner.kv_caches, attn, lora)  # [T, H]
         last_k, last_v = engine.runner.kv_caches[-1]
