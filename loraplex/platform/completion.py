@@ -59,7 +59,7 @@ class Completion:
     prompts: the distinct prompts' token ids, each run body.n times; adapter: the tenant's name for the
     adapter (None: the base model), engine_adapter its engine name, adapter_path its files and
     adapter_digest their content digest; max_tokens
-    per choice; params one SamplingParams per sequence (prompt-major); created Unix seconds."""
+    per choice (0: `echo_only`); params one SamplingParams per sequence (prompt-major); created Unix seconds."""
 
     kind: str  # "chat" or "completion"
     body: ChatCompletionRequest | CompletionRequest
@@ -80,6 +80,21 @@ class Completion:
     @property
     def num_sequences(self) -> int:
         return len(self.prompts) * self.body.n
+
+    @property
+    def echo(self) -> bool:
+        """A text completion with `echo`: each choice's text and logprobs start with its prompt's."""
+        return self.kind == "completion" and bool(self.body.echo)
+
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the prompt is scored and nothing is generated. The engine samples
+        one token all the same (vLLM does so too), which the answer leaves out and nobody is charged for."""
+        return self.echo and self.max_tokens == 0
+
+    def num_completion_tokens(self, gen: Generation) -> int:
+        """Output tokens the caller gets and is charged for."""
+        return 0 if self.echo_only else gen.num_completion_tokens
 
     @property
     def endpoint(self) -> str:
@@ -206,7 +221,7 @@ class Completions:
             await gen.wait()
             if c.engine_adapter is not None:
                 self.engine.release(c.engine_adapter)
-            num_completion = gen.num_completion_tokens
+            num_completion = c.num_completion_tokens(gen)
             ran = not all(ch.adapter_failed for ch in gen.choices)  # else its adapter never loaded: not charged
             num_prompt = c.num_prompt_tokens if ran else 0
             await self.quotas.settle(ticket, num_prompt + num_completion, ran=ran)
@@ -230,7 +245,7 @@ class Completions:
         self.metrics.observe_request(caller.tenant_name, c.endpoint, status)
         for i, ch in enumerate(gen.choices):
             self.metrics.observe_generation(caller.tenant_name, num_prompt if i == 0 else 0,
-                                            len(ch.token_ids), ch.ttft_s, ch.latency_s)
+                                            0 if c.echo_only else len(ch.token_ids), ch.ttft_s, ch.latency_s)
 
 
 async def compile_schema(engine: EngineClient, schema: dict) -> None:
@@ -284,6 +299,9 @@ def check_lengths(eng: EngineClient, settings: Settings, kind: str, body: ChatCo
         raise invalid_request(f"{param} is {requested}, but the prompt ({longest} tokens) leaves room for "
                               f"{room} tokens in this model's context of {context} tokens.", param=param,
                               code="context_length_exceeded")
+    if requested == 0 and not body.echo:  # a 0 passes the schema on completions, for echo
+        raise invalid_request("max_tokens must be an integer >= 1, got 0 (0 is allowed with echo: true, to score "
+                              "the prompt alone).", param="max_tokens")
     if requested is None:  # chat: the setting; completions: 16, OpenAI's and vLLM's default there
         default = settings.default_max_tokens if kind == "chat" else COMPLETION_DEFAULT_MAX_TOKENS
         requested = min(default, room, cap or room)
@@ -305,16 +323,19 @@ def call_priority(body: ChatCompletionRequest | CompletionRequest, caller: Calle
 def sampling_params(vocab: int, body: ChatCompletionRequest | CompletionRequest, num_prompts: int,
                     max_tokens: int, priority: int = 0) -> list[SamplingParams]:
     """One SamplingParams per sequence (choice j of a prompt gets seed + j, wrapped to 64 bits), checked
-    against the model."""
+    against the model. max_tokens 0 (`Completion.echo_only`) runs 1; `echo` with `logprobs` asks for the
+    prompt's (`prompt_logprobs`, as vLLM maps it)."""
+    echo = isinstance(body, CompletionRequest) and bool(body.echo)
     try:
         top_k = -1 if body.top_k is None else check_top_k(body.top_k, vocab)
         stop_token_ids = check_stop_token_ids(body.stop_token_ids, vocab)
-        return [SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else
+        return [SamplingParams(max_tokens=max(1, max_tokens), temperature=1.0 if body.temperature is None else
                                body.temperature, top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k,
                                seed=None if body.seed is None else (body.seed + j + 2**63) % 2**64 - 2**63,
                                stop=body.stop,
                                stop_token_ids=stop_token_ids, ignore_eos=bool(body.ignore_eos), priority=priority,
-                               logprobs=body.num_logprobs, json_schema=body.json_schema)
+                               logprobs=body.num_logprobs, json_schema=body.json_schema,
+                               prompt_logprobs=body.num_logprobs if echo else None)
                 for _ in range(num_prompts) for j in range(body.n)]
     except ParamError as e:
         raise invalid_request(str(e), param=e.param) from None

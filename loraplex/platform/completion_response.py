@@ -63,7 +63,7 @@ def _raise_for_errors(c: Completion, gen: Generation) -> None:
 
 
 def usage_body(c: Completion, gen: Generation) -> UsageBody:
-    n = gen.num_completion_tokens
+    n = c.num_completion_tokens(gen)
     return UsageBody(prompt_tokens=c.num_prompt_tokens, completion_tokens=n, total_tokens=c.num_prompt_tokens + n,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=gen.num_cached_tokens(c.body.n)))
 
@@ -77,11 +77,34 @@ def response_body(c: Completion, gen: Generation) -> ChatCompletion | TextComple
                                                   logprobs=ChatLogprobs(content=chat_content(tokenizer, ch.logprobs))
                                                   if asked else None, finish_reason=ch.finish_reason)
                                        for i, ch in enumerate(gen.choices)])
+    echoed = prompt_texts(c, tokenizer) if c.echo else None
+    choices = []
+    for i, ch in enumerate(gen.choices):
+        text, lps, finish_reason = ch.text, ch.logprobs, ch.finish_reason
+        if c.echo_only:
+            text, lps, finish_reason = "", [], "length"
+        if echoed is not None:
+            text = echoed[i // c.body.n] + text
+            lps = echoed_logprobs(c, i, ch.prompt_logprobs) + lps if asked else lps
+        choices.append(TextChoice(index=i, text=text, finish_reason=finish_reason,
+                                  logprobs=TextLogprobs(**completion_logprobs(tokenizer, lps)) if asked else None))
     return TextCompletion(id=c.request_id, created=c.created, model=c.body.model, usage=usage_body(c, gen),
-                          choices=[TextChoice(index=i, text=ch.text, finish_reason=ch.finish_reason,
-                                              logprobs=TextLogprobs(**completion_logprobs(tokenizer, ch.logprobs))
-                                              if asked else None)
-                                   for i, ch in enumerate(gen.choices)])
+                          choices=choices)
+
+
+def prompt_texts(c: Completion, tokenizer) -> list[str]:
+    """Each prompt as `echo` returns it: a text prompt as sent, token ids decoded (vLLM's echo)."""
+    p = c.body.prompt
+    if isinstance(p, str) or (p and isinstance(p[0], int)):
+        p = [p]
+    return [text if isinstance(text, str) else tokenizer.decode(ids) for text, ids in zip(p, c.prompts, strict=True)]
+
+
+def echoed_logprobs(c: Completion, i: int, prompt_logprobs: list) -> list:
+    """Choice i's prompt entries for `completion_logprobs`: its first token as a bare id (no
+    log-probability), then the engine's `prompt_logprobs` of the others."""
+    prompt = c.prompts[i // c.body.n]
+    return [prompt[0], *prompt_logprobs[1:]]
 
 
 def _sse(data: dict | str) -> str:
@@ -104,6 +127,10 @@ async def stream(c: Completion, gen: Generation, finalized: asyncio.Task):
     tokenizer, asked = gen.service.tokenizer, c.body.num_logprobs is not None
     pending: list[list] = [[] for _ in gen.choices]  # per choice: logprobs of tokens not yet in a chunk
     sent = [0] * len(gen.choices)  # per choice: characters of text sent (completions' text_offset)
+    # echo: each choice's prompt goes first, in a chunk of its own with its first output (when its prompt
+    # log-probabilities are all computed)
+    echoed = prompt_texts(c, tokenizer) if c.echo else None
+    to_echo = set(range(len(gen.choices))) if c.echo else set()
 
     def chunk(i: int, text: str | None, finish_reason: str | None, role: bool = False) -> str:
         logprobs = None
@@ -127,6 +154,15 @@ async def stream(c: Completion, gen: Generation, finalized: asyncio.Task):
             for i, out in batch:
                 if out.finish_reason == "abort":
                     parts.append(_sse(error_of(c, out.error, out.adapter_failed).body()))
+                    continue
+                if i in to_echo:
+                    to_echo.discard(i)
+                    if asked:
+                        pending[i] = echoed_logprobs(c, i, out.prompt_logprobs)
+                    parts.append(chunk(i, echoed[i // c.body.n], None))
+                if c.echo_only:  # the one token the engine sampled is not part of the answer
+                    if out.finished:
+                        parts.append(chunk(i, None, "length"))
                     continue
                 if asked:
                     pending[i] += out.delta_logprobs or []

@@ -197,6 +197,11 @@ class Choice:
         """Each output token's `TokenLogprobs` (empty unless the request asked for them)."""
         return (self.output.logprobs if self.output is not None else None) or []
 
+    @property
+    def prompt_logprobs(self) -> list:
+        """Each prompt token's entry (`RequestOutput.prompt_logprobs`; empty unless asked)."""
+        return (self.output.prompt_logprobs if self.output is not None else None) or []
+
 
 class Generation:
     """Engine requests for one API call (one per choice), queued all at once by `start`.

@@ -14,7 +14,9 @@ collide). `text_offset` counts the characters of the text before each token: a c
 tokens counts once its last byte has come, bytes that never complete one as the U+FFFD the text shows.
 Every sampled token is listed, the stop token (EOS) included, as vLLM does: the list follows
 `token_ids`, not the text cut at a stop string. A streamed chunk carries the entries of the tokens that
-arrived since the last chunk of its choice.
+arrived since the last chunk of its choice. With `echo`, a completion's entries start with its prompt's
+tokens, the first of which has no log-probability (null, and null top alternatives), as in OpenAI's
+legacy API and vLLM.
 """
 
 from __future__ import annotations
@@ -90,13 +92,14 @@ def chat_content(tokenizer, lps: list[TokenLogprobs]) -> list[dict]:
     return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
 
 
-def completion_logprobs(tokenizer, lps: list[TokenLogprobs], text_offset: int = 0) -> dict:
-    """A completion choice's `logprobs` for tokens `lps` whose text starts at `text_offset` characters."""
+def completion_logprobs(tokenizer, lps: list[TokenLogprobs | int], text_offset: int = 0) -> dict:
+    """A completion choice's `logprobs` for tokens `lps` whose text starts at `text_offset` characters; an
+    int in `lps` is a token with no log-probability (an echoed prompt's first token)."""
     cache: dict[int, tuple[str, bytes, bool]] = {}
     decoder = codecs.getincrementaldecoder("utf-8")("replace")  # holds a split character's first bytes
-    tokens, offsets, top = [], [], []
+    tokens, offsets, values, top = [], [], [], []
     for lp in lps:
-        token = _token(tokenizer, lp.token_id, cache)
+        token = _token(tokenizer, lp if isinstance(lp, int) else lp.token_id, cache)
         text, raw = _legacy(token), token[1]
         if raw and not 0x80 <= raw[0] < 0xC0:  # not a continuation: held bytes never completed (one U+FFFD)
             text_offset += len(decoder.decode(b"", final=True))
@@ -104,8 +107,12 @@ def completion_logprobs(tokenizer, lps: list[TokenLogprobs], text_offset: int = 
         tokens.append(text)
         offsets.append(text_offset)
         text_offset += len(decoder.decode(raw))
+        if isinstance(lp, int):
+            values.append(None)
+            top.append(None)
+            continue
         entries = {_legacy(_token(tokenizer, t, cache)): v for t, v in lp.top}
         entries.setdefault(text, lp.logprob)
+        values.append(lp.logprob)
         top.append(entries)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": top,
-            "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top, "text_offset": offsets}

@@ -69,11 +69,12 @@ class ChatCompletion(_Completion[ChatChoice]):
 
 
 class TextLogprobs(BaseModel):
-    """The legacy completions shape: per token its text, logprob, top alternatives and offset in the text."""
+    """The legacy completions shape: per token its text, logprob, top alternatives and offset in the text
+    (logprob and alternatives null for an echoed prompt's first token)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

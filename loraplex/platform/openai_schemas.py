@@ -13,7 +13,7 @@ as OpenAI's API does with fields it does not know.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -57,7 +57,7 @@ UNSUPPORTED_CHAT = {"tools": [], "tool_choice": "none", "functions": [], "functi
                     "prediction": None, "modalities": ["text"], "reasoning_effort": "none", "verbosity": None,
                     "web_search_options": None}
 SERVICE_TIERS = (None, "auto", "default")  # what loraplex serves every call at; "flex", "priority"... are refused
-UNSUPPORTED_COMPLETION = {"echo": False, "suffix": ""}
+UNSUPPORTED_COMPLETION = {"suffix": ""}
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for `logprobs` of /v1/completions
 
 
@@ -167,9 +167,13 @@ class SamplingFields(BaseModel):
     response_format: dict | None = Field(None, description="text, json_object or json_schema (response_format.py)")
     service_tier: Any = None
 
+    max_tokens_may_be_0: ClassVar[bool] = False
+
     @field_validator(*_RANGE_CHECKS)
     @classmethod
     def _in_range(cls, v, info: ValidationInfo):
+        if v == 0 and info.field_name == "max_tokens" and cls.max_tokens_may_be_0:
+            return v  # completions with echo score the prompt alone; without echo, `completion.check_lengths`
         return v if v is None else _RANGE_CHECKS[info.field_name](v)
 
     @field_validator("n")
@@ -260,6 +264,13 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
+    """`echo: true` returns each prompt before its completion, and with `logprobs` every prompt token's
+    log-probability (the first's null) and top alternatives before the completion's (OpenAI's legacy
+    completions and vLLM; lm-eval-harness scores a continuation this way). `max_tokens: 0` with echo
+    scores the prompt alone."""
+
+    max_tokens_may_be_0: ClassVar[bool] = True
+
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     echo: StrictBool | None = False
     logprobs: StrictInt | None = None

@@ -67,7 +67,8 @@ else:
 
 class WireOutput(NamedTuple):
     """One `RequestOutput` as it crosses from replica to ingress: its deltas and counters; token_ids and
-    text only on the last output of a request (finish_reason set), None before."""
+    text only on the last output of a request (finish_reason set), None before; prompt_logprobs (asked
+    for by `SamplingParams.prompt_logprobs`) only on its first output, None on the others."""
 
     request_id: str
     delta_token_ids: list[int]
@@ -81,13 +82,16 @@ class WireOutput(NamedTuple):
     num_cached_tokens: int
     token_ids: list[int] | None
     text: str | None
+    prompt_logprobs: list | None = None
 
     @classmethod
-    def of(cls, out: RequestOutput) -> WireOutput:
+    def of(cls, out: RequestOutput, first: bool = False) -> WireOutput:
+        """`out` on the wire; first: it is its request's first output (which carries its prompt_logprobs)."""
         last = out.finished
         return cls(out.request_id, out.delta_token_ids, out.delta_text, out.delta_logprobs, out.finish_reason,
                    out.ttft_s, out.latency_s, out.error, out.adapter_failed, out.num_cached_tokens,
-                   out.token_ids if last else None, out.text if last else None)
+                   out.token_ids if last else None, out.text if last else None,
+                   out.prompt_logprobs if first else None)
 
 
 def engine_replica(max_resident_adapters: int):
@@ -170,6 +174,7 @@ def engine_replica(max_resident_adapters: int):
                 yield ("invalid", str(e), getattr(e, "param", None))
                 return
             running = set(request_ids)
+            unsent = set(request_ids)  # requests whose first output has not gone out yet
             number = next(self._call_numbers)
             calls = self._watch(call.get("caller"))
             if calls is not None:
@@ -185,7 +190,9 @@ def engine_replica(max_resident_adapters: int):
                     while not pending.empty():  # steps that arrived while the last item was sent
                         outs.extend(pending.get_nowait())
                     running.difference_update(o.request_id for o in outs if o.finished)
-                    yield [WireOutput.of(o) for o in outs]
+                    wire = [WireOutput.of(o, o.request_id in unsent) for o in outs]
+                    unsent.difference_update(o.request_id for o in outs)
+                    yield wire
             finally:
                 if calls is not None:
                     calls.pop(number, None)

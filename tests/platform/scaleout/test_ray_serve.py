@@ -126,6 +126,19 @@ def test_openai_client_unchanged_and_tokens_match_one_process(cluster, tenant, s
     expected_text = local_client.completions.create(model=factories.BASE_MODEL, prompt="The capital of France is",
                                                     max_tokens=6, temperature=0, n=2)
     assert [c.text for c in text.choices] == [c.text for c in expected_text.choices]
+
+    # echo's prompt log-probabilities cross from replica to ingress, streamed and not
+    scored = dict(model=factories.BASE_MODEL, prompt="The capital of France is", max_tokens=2, temperature=0,
+                  echo=True, logprobs=2)
+    echoed = ray_client.completions.create(**scored).choices[0]
+    expected_echo = local_client.completions.create(**scored).choices[0]
+    assert echoed.text == expected_echo.text and echoed.logprobs.tokens == expected_echo.logprobs.tokens
+    assert echoed.logprobs.token_logprobs[0] is None
+    assert echoed.logprobs.token_logprobs[1:] == pytest.approx(expected_echo.logprobs.token_logprobs[1:], abs=1e-4)
+    streamed = [ch.logprobs for c in ray_client.completions.create(**scored, stream=True) for ch in c.choices
+                if ch.logprobs]
+    assert [t for lp in streamed for t in lp.tokens] == echoed.logprobs.tokens
+    assert [v for lp in streamed for v in lp.token_logprobs] == echoed.logprobs.token_logprobs
     with pytest.raises(openai.NotFoundError):
         ray_client.chat.completions.create(model="no-such-model", messages=messages, max_tokens=2)
 

@@ -52,7 +52,7 @@ def test_stream(make_tenant):
 
 
 @pytest.mark.parametrize("body, param", [({"prompt": []}, "prompt"), ({"prompt": ""}, "prompt"),
-                                         ({"prompt": [10**9]}, "prompt"), ({"prompt": "x", "echo": True}, "echo")])
+                                         ({"prompt": [10**9]}, "prompt"), ({"prompt": "x", "max_tokens": 0}, "max_tokens")])
 def test_bad_prompts(make_tenant, body, param):
     t = make_tenant()
     r = complete(t, **body)

@@ -156,7 +156,9 @@ def test_neutral_values_of_unsupported_fields_are_accepted(make_tenant):
 
 
 @pytest.mark.parametrize("body, param, message", [
-    ({"echo": True}, "echo", "`echo` is not supported by loraplex"),
+    ({"echo": 1}, "echo", "echo: Input should be a valid boolean"),
+    ({"max_tokens": 0}, "max_tokens", "max_tokens must be an integer >= 1, got 0 (0 is allowed with echo: true, to "
+                                      "score the prompt alone)."),
     ({"suffix": "x"}, "suffix", "`suffix` is not supported by loraplex"),
     ({"logprobs": 6}, "logprobs", "logprobs must be an integer in [0, 5], got 6"),
     ({"best_of": 3}, "best_of", "`best_of` other than 1 or n is not supported by loraplex"),
