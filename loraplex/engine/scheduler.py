@@ -309,7 +309,8 @@ class Scheduler:
         A request that still needs prompt log-probabilities takes no hit: it computes every position
         (vLLM skips the prefix cache for such requests too)."""
         bm = self.block_manager
-        hit = [] if req.needs_prompt_logprobs else bm.computed_blocks(req)
+        looks_up = not req.needs_prompt_logprobs
+        hit = bm.computed_blocks(req) if looks_up else []
         num_cached = len(hit) * bm.block_size
         num_new = min(req.num_tokens - num_cached, budget)
         if not bm.allocate(req, num_new, hit):
@@ -318,7 +319,8 @@ class Scheduler:
         req.num_charged_prompt_tokens = max(req.num_charged_prompt_tokens, min(num_cached, req.num_prompt_tokens))
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_cached
-        bm.record_query(req.num_tokens, num_cached)
+        if looks_up:  # a request that may not take a hit is not a miss of the cache's
+            bm.record_query(req.num_tokens, num_cached)
         return num_new
 
     def _start(self, req: Request) -> None:

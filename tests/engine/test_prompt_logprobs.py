@@ -103,8 +103,11 @@ def test_a_cached_prompt_is_computed_again_for_its_logprobs_and_its_blocks_serve
                                                                                        tokenizer):
     prompt = chat_ids(tokenizer, "Write one sentence about the sea and the sky above it.")
     first = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0))[0]  # its blocks are cached now
+    bm = llm.engine.block_manager
+    looked_up = bm.num_cached_query_tokens
     scored = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=0))[0]
     assert scored.num_cached_tokens == 0  # the cached prefix would have had no hidden states
+    assert bm.num_cached_query_tokens == looked_up  # not a lookup, so not a miss in the hit rate
     assert_matches(scored.prompt_logprobs, prompt, reference(plain_hf_model, prompt), 0)
     again = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0))[0]
     assert again.num_cached_tokens == (len(prompt) - 1) // 16 * 16 and again.token_ids == first.token_ids
