@@ -324,7 +324,9 @@ def sampling_params(vocab: int, body: ChatCompletionRequest | CompletionRequest,
                     max_tokens: int, priority: int = 0) -> list[SamplingParams]:
     """One SamplingParams per sequence (choice j of a prompt gets seed + j, wrapped to 64 bits), checked
     against the model. max_tokens 0 (`Completion.echo_only`) runs 1; `echo` with `logprobs` asks for the
-    prompt's (`prompt_logprobs`, as vLLM maps it)."""
+    prompt's (`prompt_logprobs`, as vLLM maps it) on each prompt's first choice only: its n choices share
+    one scoring of the prompt, and the others may take it from the prefix cache (each choice scoring it
+    computed the prompt n times over, and charged once)."""
     echo = isinstance(body, CompletionRequest) and bool(body.echo)
     try:
         top_k = -1 if body.top_k is None else check_top_k(body.top_k, vocab)
@@ -335,7 +337,7 @@ def sampling_params(vocab: int, body: ChatCompletionRequest | CompletionRequest,
                                stop=body.stop,
                                stop_token_ids=stop_token_ids, ignore_eos=bool(body.ignore_eos), priority=priority,
                                logprobs=body.num_logprobs, json_schema=body.json_schema,
-                               prompt_logprobs=body.num_logprobs if echo else None)
+                               prompt_logprobs=body.num_logprobs if echo and j == 0 else None)
                 for _ in range(num_prompts) for j in range(body.n)]
     except ParamError as e:
         raise invalid_request(str(e), param=e.param) from None

@@ -21,7 +21,7 @@ from loraplex.platform.errors import (
     shutting_down,
     unavailable,
 )
-from loraplex.platform.logprobs import chat_content, completion_logprobs
+from loraplex.platform.logprobs import TextOffsets, chat_content, completion_logprobs
 from loraplex.platform.openai_responses import (
     AssistantMessage,
     ChatChoice,
@@ -84,10 +84,17 @@ def response_body(c: Completion, gen: Generation) -> ChatCompletion | TextComple
         if c.echo_only:
             text, lps, finish_reason = "", [], "length"
         if echoed is not None:
-            text = echoed[i // c.body.n] + text
-            lps = echoed_logprobs(c, i, ch.prompt_logprobs) + lps if asked else lps
+            prompt = echoed[i // c.body.n]
+            logprobs = None
+            if asked:  # the prompt's entries, then the completion's counted from the prompt text's end
+                scored = gen.choices[i - i % c.body.n].prompt_logprobs  # its prompt's first choice scored it
+                logprobs = _joined(completion_logprobs(tokenizer, echoed_logprobs(c, i, scored)),
+                                   completion_logprobs(tokenizer, lps, len(prompt)))
+            text = prompt + text
+        else:
+            logprobs = completion_logprobs(tokenizer, lps) if asked else None
         choices.append(TextChoice(index=i, text=text, finish_reason=finish_reason,
-                                  logprobs=TextLogprobs(**completion_logprobs(tokenizer, lps)) if asked else None))
+                                  logprobs=TextLogprobs(**logprobs) if asked else None))
     return TextCompletion(id=c.request_id, created=c.created, model=c.body.model, usage=usage_body(c, gen),
                           choices=choices)
 
@@ -102,9 +109,14 @@ def prompt_texts(c: Completion, tokenizer) -> list[str]:
 
 def echoed_logprobs(c: Completion, i: int, prompt_logprobs: list) -> list:
     """Choice i's prompt entries for `completion_logprobs`: its first token as a bare id (no
-    log-probability), then the engine's `prompt_logprobs` of the others."""
+    log-probability), then the engine's `prompt_logprobs` of the others (those of its prompt's first
+    choice: only that one asks the engine, `completion.sampling_params`)."""
     prompt = c.prompts[i // c.body.n]
     return [prompt[0], *prompt_logprobs[1:]]
+
+
+def _joined(a: dict, b: dict) -> dict:
+    return {key: a[key] + b[key] for key in a}
 
 
 def _sse(data: dict | str) -> str:
@@ -126,19 +138,22 @@ async def stream(c: Completion, gen: Generation, finalized: asyncio.Task):
 
     tokenizer, asked = gen.service.tokenizer, c.body.num_logprobs is not None
     pending: list[list] = [[] for _ in gen.choices]  # per choice: logprobs of tokens not yet in a chunk
-    sent = [0] * len(gen.choices)  # per choice: characters of text sent (completions' text_offset)
-    # echo: each choice's prompt goes first, in a chunk of its own with its first output (when its prompt
-    # log-probabilities are all computed)
+    offsets = [TextOffsets() for _ in gen.choices]  # per choice: completions' text_offset so far
+    # echo: each choice's prompt goes first, in a chunk of its own with its first output; with logprobs,
+    # once its prompt's first choice (the one that scores the prompt) has had its first output
     echoed = prompt_texts(c, tokenizer) if c.echo else None
     to_echo = set(range(len(gen.choices))) if c.echo else set()
+    n = c.body.n
+    scores: dict[int, list] = {}  # a prompt's first choice -> its prompt log-probabilities
+    held: dict[int, list] = {}  # choice -> its outputs that wait for its prompt's scores
+    failed: dict[int, str] = {}  # choice -> the error event sent for it (nothing more is sent for it)
 
     def chunk(i: int, text: str | None, finish_reason: str | None, role: bool = False) -> str:
         logprobs = None
         if asked and not role and (pending[i] or finish_reason is None):
             lps, pending[i] = pending[i], []
             logprobs = ({"content": chat_content(tokenizer, lps)} if is_chat
-                        else completion_logprobs(tokenizer, lps, sent[i]))
-        sent[i] += len(text or "")
+                        else completion_logprobs(tokenizer, lps, offsets[i]))
         if is_chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -146,30 +161,62 @@ async def stream(c: Completion, gen: Generation, finalized: asyncio.Task):
             choice = {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return head + json.dumps(choice) + tail
 
+    def deliver(i: int, out, parts: list[str]) -> None:
+        """Append to `parts` the chunks of choice i's output `out` (or hold it for its prompt's scores)."""
+        if i in failed:
+            return
+        first = i - i % n
+        if out.finish_reason == "abort":
+            failed[i] = _sse(error_of(c, out.error, out.adapter_failed).body())
+            parts.append(failed[i])
+            held.pop(i, None)
+            if i == first:  # the choices waiting for its scores will not get them
+                for j in [j for j in held if j - j % n == first]:
+                    del held[j]
+                    failed[j] = failed[i]
+                    parts.append(failed[i])
+            return
+        if i in held:
+            held[i].append(out)
+            return
+        if i in to_echo:
+            if asked and i == first:
+                scores[i] = out.prompt_logprobs
+            elif asked and first not in scores:
+                if first in failed:
+                    failed[i] = failed[first]
+                    parts.append(failed[i])
+                else:
+                    held[i] = [out]
+                return
+            to_echo.discard(i)
+            prompt = echoed[i // n]
+            if asked:
+                pending[i], offsets[i] = echoed_logprobs(c, i, scores[first]), TextOffsets()
+            parts.append(chunk(i, prompt, None))
+            offsets[i] = TextOffsets(len(prompt))  # the completion's offsets count from the prompt's end
+        if c.echo_only:  # the one token the engine sampled is not part of the answer
+            if out.finished:
+                parts.append(chunk(i, None, "length"))
+        else:
+            if asked:
+                pending[i] += out.delta_logprobs or []
+            if out.delta_text:
+                parts.append(chunk(i, out.delta_text, None))
+            if out.finished:
+                parts.append(chunk(i, None, out.finish_reason))
+        if i == first and asked and c.echo:  # its scores are here: what waited for them goes out
+            for j in [j for j in held if j - j % n == first]:
+                for o in held.pop(j):
+                    deliver(j, o, parts)
+
     try:
         if is_chat:
             yield "".join(chunk(i, None, None, role=True) for i in range(len(gen.choices)))
         async for batch in gen.batches():  # one write per wake-up: a step's deltas of every choice
             parts = []
             for i, out in batch:
-                if out.finish_reason == "abort":
-                    parts.append(_sse(error_of(c, out.error, out.adapter_failed).body()))
-                    continue
-                if i in to_echo:
-                    to_echo.discard(i)
-                    if asked:
-                        pending[i] = echoed_logprobs(c, i, out.prompt_logprobs)
-                    parts.append(chunk(i, echoed[i // c.body.n], None))
-                if c.echo_only:  # the one token the engine sampled is not part of the answer
-                    if out.finished:
-                        parts.append(chunk(i, None, "length"))
-                    continue
-                if asked:
-                    pending[i] += out.delta_logprobs or []
-                if out.delta_text:
-                    parts.append(chunk(i, out.delta_text, None))
-                if out.finished:
-                    parts.append(chunk(i, None, out.finish_reason))
+                deliver(i, out, parts)
             if parts:
                 yield "".join(parts)
         await asyncio.shield(finalized)

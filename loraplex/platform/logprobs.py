@@ -14,7 +14,9 @@ collide). `text_offset` counts the characters of the text before each token: a c
 tokens counts once its last byte has come, bytes that never complete one as the U+FFFD the text shows.
 Every sampled token is listed, the stop token (EOS) included, as vLLM does: the list follows
 `token_ids`, not the text cut at a stop string. A streamed chunk carries the entries of the tokens that
-arrived since the last chunk of its choice. With `echo`, a completion's entries start with its prompt's
+arrived since the last chunk of its choice, with the offsets the unstreamed answer gives them (counted
+over the tokens, `TextOffsets`, not over the text sent so far, which lags while the detokenizer holds
+back what may start a stop string). With `echo`, a completion's entries start with its prompt's
 tokens, the first of which has no log-probability (null, and null top alternatives), as in OpenAI's
 legacy API and vLLM.
 """
@@ -92,21 +94,37 @@ def chat_content(tokenizer, lps: list[TokenLogprobs]) -> list[dict]:
     return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
 
 
-def completion_logprobs(tokenizer, lps: list[TokenLogprobs | int], text_offset: int = 0) -> dict:
-    """A completion choice's `logprobs` for tokens `lps` whose text starts at `text_offset` characters; an
-    int in `lps` is a token with no log-probability (an echoed prompt's first token)."""
+class TextOffsets:
+    """Counts the characters of a choice's text before each of its tokens (`text_offset`), from `start`,
+    across calls of `completion_logprobs`: a stream keeps one per choice, so its chunks' offsets are the
+    unstreamed answer's, whatever text the detokenizer holds back meanwhile (a possible stop string)."""
+
+    def __init__(self, start: int = 0):
+        self.offset = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")  # holds a split character's first bytes
+
+    def before(self, raw: bytes) -> int:
+        """The offset of the token whose bytes are `raw`; counts them."""
+        if raw and not 0x80 <= raw[0] < 0xC0:  # not a continuation: held bytes never completed (one U+FFFD)
+            self.offset += len(self._decoder.decode(b"", final=True))
+            self._decoder.reset()
+        at = self.offset
+        self.offset += len(self._decoder.decode(raw))
+        return at
+
+
+def completion_logprobs(tokenizer, lps: list[TokenLogprobs | int], text_offset: int | TextOffsets = 0) -> dict:
+    """A completion choice's `logprobs` for tokens `lps` whose text starts at `text_offset` characters (or
+    where a choice's `TextOffsets` stands, which this advances); an int in `lps` is a token with no
+    log-probability (an echoed prompt's first token)."""
     cache: dict[int, tuple[str, bytes, bool]] = {}
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")  # holds a split character's first bytes
+    counter = text_offset if isinstance(text_offset, TextOffsets) else TextOffsets(text_offset)
     tokens, offsets, values, top = [], [], [], []
     for lp in lps:
         token = _token(tokenizer, lp if isinstance(lp, int) else lp.token_id, cache)
-        text, raw = _legacy(token), token[1]
-        if raw and not 0x80 <= raw[0] < 0xC0:  # not a continuation: held bytes never completed (one U+FFFD)
-            text_offset += len(decoder.decode(b"", final=True))
-            decoder.reset()
+        text = _legacy(token)
         tokens.append(text)
-        offsets.append(text_offset)
-        text_offset += len(decoder.decode(raw))
+        offsets.append(counter.before(token[1]))
         if isinstance(lp, int):
             values.append(None)
             top.append(None)

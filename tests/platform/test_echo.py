@@ -123,3 +123,111 @@ def test_max_tokens_0_needs_echo(server, make_tenant):
     r = tenant.client.post("/v1/completions", json={"model": BASE_MODEL, "prompt": "Hi", "echo": "yes"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
     assert json.loads(r.text)["error"]["type"] == "invalid_request_error"
+
+
+def test_only_the_first_choice_of_each_prompt_asks_the_engine_to_score_it():
+    from loraplex.platform.completion import sampling_params
+    from loraplex.platform.openai_schemas import CompletionRequest
+
+    body = CompletionRequest(model=BASE_MODEL, prompt=["a", "b"], n=3, echo=True, logprobs=2)
+    params = sampling_params(49152, body, 2, 0)
+    assert [p.prompt_logprobs for p in params] == [2, None, None, 2, None, None]
+    assert {p.max_tokens for p in params} == {1}
+    no_logprobs = CompletionRequest(model=BASE_MODEL, prompt="a", n=2, echo=True)
+    assert [p.prompt_logprobs for p in sampling_params(49152, no_logprobs, 1, 4)] == [None, None]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_share_one_scoring_of_their_prompt(client, plain_hf_model, tokenizer, stream):
+    prompts = ["One, two, three, four,", "The capital of France is"]
+    kw = dict(model=BASE_MODEL, prompt=prompts, n=3, max_tokens=3, logprobs=1, echo=True, temperature=0.8, seed=5)
+    whole = client.completions.create(**kw)
+    for i, choice in enumerate(whole.choices):
+        ids = tokenizer.encode(prompts[i // 3])
+        ref = prompt_reference(plain_hf_model, ids)
+        assert choice.text.startswith(prompts[i // 3])
+        lp = choice.logprobs
+        assert lp.token_logprobs[0] is None
+        assert lp.token_logprobs[1:len(ids)] == pytest.approx([ref[p - 1, ids[p]].item() for p in range(1, len(ids))],
+                                                              abs=1e-4)
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
+    if stream:
+        chunks = list(client.completions.create(**kw, stream=True))
+        for i, choice in enumerate(whole.choices):
+            parts = [ch for c in chunks for ch in c.choices if ch.index == i]
+            assert parts[0].text == prompts[i // 3] and "".join(p.text for p in parts) == choice.text
+            assert [t for p in parts if p.logprobs for t in p.logprobs.tokens] == choice.logprobs.tokens
+            assert [o for p in parts if p.logprobs for o in p.logprobs.text_offset] == choice.logprobs.text_offset
+
+
+@pytest.mark.parametrize("body", [
+    # a token-id prompt that ends inside a character (2 of the 3 bytes of 是): the completion is decoded apart
+    {"prompt": [36218, 17097, 242], "echo": True},
+    # a stop string: the stream holds back text that may start it, and the offsets count the tokens anyway
+    {"prompt": "Count: one, two, three,", "stop": [" six"]},
+])
+def test_streamed_text_offsets_are_the_unstreamed_ones_and_point_into_the_text(client, tokenizer, body):
+    kw = dict(model=BASE_MODEL, max_tokens=8, logprobs=1, temperature=0, **body)
+    whole = client.completions.create(**kw).choices[0]
+    lp = whole.logprobs
+    for token, offset in zip(lp.tokens, lp.text_offset, strict=True):
+        assert token.startswith("bytes:") or whole.text[offset:].startswith(token) or offset >= len(whole.text)
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert [o for c in chunks for ch in c.choices if ch.logprobs for o in ch.logprobs.text_offset] == lp.text_offset
+
+
+def test_a_stream_holds_a_choice_until_its_prompts_first_choice_has_scored_the_prompt(tokenizer):
+    """The engine may finish choice 1 of a prompt before choice 0, the one that scores the prompt (say,
+    choice 0 was preempted): choice 1's chunks wait for the scores, then go out in order; if choice 0
+    fails, choice 1 gets its error instead."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from loraplex.engine.request import RequestOutput
+    from loraplex.engine.sampler import TokenLogprobs
+    from loraplex.platform.completion import Completion, sampling_params
+    from loraplex.platform.completion_response import stream
+    from loraplex.platform.openai_schemas import CompletionRequest
+
+    ids = tokenizer.encode("Hello world, hi")
+    body = CompletionRequest(model=BASE_MODEL, prompt=ids, n=2, echo=True, logprobs=1, max_tokens=1, stream=True)
+    c = Completion("completion", body, (ids,), 1, tuple(sampling_params(49152, body, 1, 1)), "cmpl-x", 0)
+    scores = [None] + [TokenLogprobs(t, -0.5 - k, ((t, -0.5 - k),)) for k, t in enumerate(ids[1:])]
+
+    def out(rid, token, prompt_logprobs=None, error=None):
+        return RequestOutput(rid, ids, [token], tokenizer.decode([token]), "abort" if error else "length", None,
+                             delta_text=tokenizer.decode([token]), delta_token_ids=[token], error=error,
+                             logprobs=[TokenLogprobs(token, -1.0)], delta_logprobs=[TokenLogprobs(token, -1.0)],
+                             prompt_logprobs=prompt_logprobs)
+
+    def run(batches):
+        async def gen_batches():
+            for b in batches:
+                yield b
+
+        gen = SimpleNamespace(service=SimpleNamespace(tokenizer=tokenizer), choices=[None, None],
+                              batches=gen_batches, cancel=lambda: None)
+
+        async def main():
+            finalized = asyncio.get_running_loop().create_future()
+            finalized.set_result(None)
+            events = [e async for e in stream(c, gen, finalized)]
+            return [json.loads(line.removeprefix("data: ")) for e in events for line in e.split("\n\n")
+                    if line and line != "data: [DONE]"]
+
+        return asyncio.run(main())
+
+    events = run([[(1, out("r1", 42))], [(0, out("r0", 43, scores))]])
+    by_choice = {i: [e["choices"][0] for e in events if e.get("choices") and e["choices"][0]["index"] == i]
+                 for i in (0, 1)}
+    assert [e["choices"][0]["index"] for e in events] == [0, 0, 0, 1, 1, 1]  # choice 1 waited for choice 0
+    for i in (0, 1):
+        chunks = by_choice[i]
+        assert chunks[0]["text"] == tokenizer.decode(ids) and chunks[1]["text"] == tokenizer.decode([43 - i])
+        assert chunks[0]["logprobs"]["token_logprobs"] == [None] + [lp.logprob for lp in scores[1:]]
+        assert chunks[1]["logprobs"]["token_logprobs"] == [-1.0]
+        assert chunks[1]["logprobs"]["text_offset"] == [len(tokenizer.decode(ids))]
+        assert chunks[2]["finish_reason"] == "length"
+
+    events = run([[(1, out("r1", 42))], [(0, out("r0", 43, error="RuntimeError: boom"))], [(1, out("r1", 44))]])
+    assert [e["error"]["code"] for e in events] == ["engine_error", "engine_error"]  # both, once each

@@ -190,8 +190,10 @@ def engine_replica(max_resident_adapters: int):
                     while not pending.empty():  # steps that arrived while the last item was sent
                         outs.extend(pending.get_nowait())
                     running.difference_update(o.request_id for o in outs if o.finished)
-                    wire = [WireOutput.of(o, o.request_id in unsent) for o in outs]
-                    unsent.difference_update(o.request_id for o in outs)
+                    wire = []
+                    for o in outs:
+                        wire.append(WireOutput.of(o, o.request_id in unsent))
+                        unsent.discard(o.request_id)
                     yield wire
             finally:
                 if calls is not None:
