@@ -84,7 +84,8 @@ def prompt_token_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor]
     k = max(ks, default=0)
     for i in range(0, len(targets), PROMPT_LOGITS_ROWS):
         logits = compute_logits(hidden[i:i + PROMPT_LOGITS_ROWS])  # [r, V]
-        finite += torch.isfinite(logits).all(dim=-1).tolist()
+        ok = torch.isfinite(logits.sum(dim=-1))  # one cheap pass (`check_finite`); the exact test only if needed
+        finite += (ok if ok.all() else torch.isfinite(logits).all(dim=-1)).tolist()
         lp = torch.log_softmax(logits, dim=-1)
         rows = targets[i:i + PROMPT_LOGITS_ROWS]
         chosen = lp.gather(1, torch.tensor(rows, device=lp.device)[:, None])[:, 0].tolist()
