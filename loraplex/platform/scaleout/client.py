@@ -73,22 +73,28 @@ class _Accumulated:
         self.token_ids.extend(w.delta_token_ids)
         self.text.append(w.delta_text)
         if w.delta_logprobs is not None:
-            self.logprobs = (self.logprobs or []) + list(w.delta_logprobs)
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(w.delta_logprobs)
         if w.prompt_logprobs is not None:
             self.prompt_logprobs = w.prompt_logprobs
         done = w.finish_reason is not None
         token_ids = w.token_ids if done and w.token_ids is not None else (lambda ids=self.token_ids: list(ids))
         text = w.text if done and w.text is not None else (lambda parts=self.text: "".join(parts))
+        # built when read, as token_ids: a copy per delta made the logprobs of n tokens cost O(n^2)
+        logprobs = None if self.logprobs is None else list(self.logprobs) if done else (lambda lps=self.logprobs: list(lps))
         return RequestOutput(w.request_id, self.prompt_token_ids, token_ids, text, w.finish_reason, adapter,
                              ttft_s=w.ttft_s, latency_s=w.latency_s, delta_text=w.delta_text,
                              delta_token_ids=w.delta_token_ids, error=w.error, adapter_failed=w.adapter_failed,
-                             num_cached_tokens=w.num_cached_tokens, logprobs=self.logprobs,
+                             num_cached_tokens=w.num_cached_tokens, logprobs=logprobs,
                              delta_logprobs=w.delta_logprobs, prompt_logprobs=self.prompt_logprobs)
 
     def ended(self, request_id: str, adapter: str | None, error: str | None) -> RequestOutput:
         """The last output of a request whose stream broke (error set) or that this side aborted."""
         return RequestOutput(request_id, self.prompt_token_ids, list(self.token_ids), "".join(self.text), "abort",
-                             adapter, error=error, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
+                             adapter, error=error,
+                             logprobs=None if self.logprobs is None else list(self.logprobs),
+                             prompt_logprobs=self.prompt_logprobs)
 
 
 class _Call:
