@@ -86,10 +86,12 @@ def response_body(c: Completion, gen: Generation) -> ChatCompletion | TextComple
         if echoed is not None:
             prompt = echoed[i // c.body.n]
             logprobs = None
-            if asked:  # the prompt's entries, then the completion's counted from the prompt text's end
+            if asked:  # the prompt's entries, then the completion's, two texts decoded apart (`TextOffsets`)
                 scored = gen.choices[i - i % c.body.n].prompt_logprobs  # its prompt's first choice scored it
-                logprobs = _joined(completion_logprobs(tokenizer, echoed_logprobs(c, i, scored)),
-                                   completion_logprobs(tokenizer, lps, len(prompt)))
+                offsets = TextOffsets()
+                entries = completion_logprobs(tokenizer, echoed_logprobs(c, i, scored), offsets)
+                offsets.flush()
+                logprobs = _joined(entries, completion_logprobs(tokenizer, lps, offsets))
             text = prompt + text
         else:
             logprobs = completion_logprobs(tokenizer, lps) if asked else None
@@ -161,6 +163,13 @@ async def stream(c: Completion, gen: Generation, finalized: asyncio.Task):
             choice = {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return head + json.dumps(choice) + tail
 
+    def fail_with(j: int, first: int, parts: list[str]) -> None:
+        """End choice j with the error of its prompt's first choice, which failed before scoring the prompt;
+        its engine request is aborted (it would run, and be charged, for an answer nobody gets)."""
+        failed[j] = failed[first]
+        parts.append(failed[j])
+        gen.service.abort_nowait(gen.request_ids[j])
+
     def deliver(i: int, out, parts: list[str]) -> None:
         """Append to `parts` the chunks of choice i's output `out` (or hold it for its prompt's scores)."""
         if i in failed:
@@ -170,11 +179,11 @@ async def stream(c: Completion, gen: Generation, finalized: asyncio.Task):
             failed[i] = _sse(error_of(c, out.error, out.adapter_failed).body())
             parts.append(failed[i])
             held.pop(i, None)
-            if i == first:  # the choices waiting for its scores will not get them
-                for j in [j for j in held if j - j % n == first]:
-                    del held[j]
-                    failed[j] = failed[i]
-                    parts.append(failed[i])
+            if i == first and c.echo and asked and first not in scores:  # its other choices get no scores
+                for j in range(first + 1, first + n):
+                    if j in to_echo and j not in failed:
+                        held.pop(j, None)
+                        fail_with(j, first, parts)
             return
         if i in held:
             held[i].append(out)
@@ -184,17 +193,16 @@ async def stream(c: Completion, gen: Generation, finalized: asyncio.Task):
                 scores[i] = out.prompt_logprobs
             elif asked and first not in scores:
                 if first in failed:
-                    failed[i] = failed[first]
-                    parts.append(failed[i])
+                    fail_with(i, first, parts)
                 else:
                     held[i] = [out]
                 return
             to_echo.discard(i)
             prompt = echoed[i // n]
             if asked:
-                pending[i], offsets[i] = echoed_logprobs(c, i, scores[first]), TextOffsets()
+                pending[i] = echoed_logprobs(c, i, scores[first])
             parts.append(chunk(i, prompt, None))
-            offsets[i] = TextOffsets(len(prompt))  # the completion's offsets count from the prompt's end
+            offsets[i].flush()  # the completion is decoded apart from the prompt
         if c.echo_only:  # the one token the engine sampled is not part of the answer
             if out.finished:
                 parts.append(chunk(i, None, "length"))

@@ -112,6 +112,12 @@ class TextOffsets:
         self.offset += len(self._decoder.decode(raw))
         return at
 
+    def flush(self) -> None:
+        """End a text decoded on its own (an echoed prompt): bytes it left incomplete count as the one
+        U+FFFD its decoding shows, and the next token starts a new text."""
+        self.offset += len(self._decoder.decode(b"", final=True))
+        self._decoder.reset()
+
 
 def completion_logprobs(tokenizer, lps: list[TokenLogprobs | int], text_offset: int | TextOffsets = 0) -> dict:
     """A completion choice's `logprobs` for tokens `lps` whose text starts at `text_offset` characters (or

@@ -179,7 +179,7 @@ def test_streamed_text_offsets_are_the_unstreamed_ones_and_point_into_the_text(c
 def test_a_stream_holds_a_choice_until_its_prompts_first_choice_has_scored_the_prompt(tokenizer):
     """The engine may finish choice 1 of a prompt before choice 0, the one that scores the prompt (say,
     choice 0 was preempted): choice 1's chunks wait for the scores, then go out in order; if choice 0
-    fails, choice 1 gets its error instead."""
+    fails first, choice 1 gets its error instead and its engine request is aborted."""
     import asyncio
     from types import SimpleNamespace
 
@@ -200,13 +200,15 @@ def test_a_stream_holds_a_choice_until_its_prompts_first_choice_has_scored_the_p
                              logprobs=[TokenLogprobs(token, -1.0)], delta_logprobs=[TokenLogprobs(token, -1.0)],
                              prompt_logprobs=prompt_logprobs)
 
+    aborted = []
+
     def run(batches):
         async def gen_batches():
             for b in batches:
                 yield b
 
-        gen = SimpleNamespace(service=SimpleNamespace(tokenizer=tokenizer), choices=[None, None],
-                              batches=gen_batches, cancel=lambda: None)
+        gen = SimpleNamespace(service=SimpleNamespace(tokenizer=tokenizer, abort_nowait=lambda *ids: aborted.extend(ids)),
+                              choices=[None, None], request_ids=["r0", "r1"], batches=gen_batches, cancel=lambda: None)
 
         async def main():
             finalized = asyncio.get_running_loop().create_future()
@@ -228,6 +230,10 @@ def test_a_stream_holds_a_choice_until_its_prompts_first_choice_has_scored_the_p
         assert chunks[1]["logprobs"]["token_logprobs"] == [-1.0]
         assert chunks[1]["logprobs"]["text_offset"] == [len(tokenizer.decode(ids))]
         assert chunks[2]["finish_reason"] == "length"
+    assert not aborted
 
     events = run([[(1, out("r1", 42))], [(0, out("r0", 43, error="RuntimeError: boom"))], [(1, out("r1", 44))]])
     assert [e["error"]["code"] for e in events] == ["engine_error", "engine_error"]  # both, once each
+    assert aborted == ["r1"]
+    events = run([[(0, out("r0", 43, error="RuntimeError: boom"))], [(1, out("r1", 44))]])  # before choice 1 ran
+    assert [e["error"]["code"] for e in events] == ["engine_error", "engine_error"] and aborted == ["r1", "r1"]
