@@ -95,19 +95,18 @@ def chat_content(tokenizer, lps: list[TokenLogprobs]) -> list[dict]:
 
 
 class TextOffsets:
-    """Counts the characters of a choice's text before each of its tokens (`text_offset`), from `start`,
-    across calls of `completion_logprobs`: a stream keeps one per choice, so its chunks' offsets are the
-    unstreamed answer's, whatever text the detokenizer holds back meanwhile (a possible stop string)."""
+    """Counts the characters of a choice's text before each of its tokens (`text_offset`) across calls of
+    `completion_logprobs`: a stream keeps one per choice, so its chunks' offsets are the unstreamed
+    answer's, whatever text the detokenizer holds back meanwhile (a possible stop string)."""
 
-    def __init__(self, start: int = 0):
-        self.offset = start
+    def __init__(self):
+        self.offset = 0
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")  # holds a split character's first bytes
 
     def before(self, raw: bytes) -> int:
         """The offset of the token whose bytes are `raw`; counts them."""
         if raw and not 0x80 <= raw[0] < 0xC0:  # not a continuation: held bytes never completed (one U+FFFD)
-            self.offset += len(self._decoder.decode(b"", final=True))
-            self._decoder.reset()
+            self.flush()
         at = self.offset
         self.offset += len(self._decoder.decode(raw))
         return at
@@ -119,12 +118,12 @@ class TextOffsets:
         self._decoder.reset()
 
 
-def completion_logprobs(tokenizer, lps: list[TokenLogprobs | int], text_offset: int | TextOffsets = 0) -> dict:
-    """A completion choice's `logprobs` for tokens `lps` whose text starts at `text_offset` characters (or
-    where a choice's `TextOffsets` stands, which this advances); an int in `lps` is a token with no
-    log-probability (an echoed prompt's first token)."""
+def completion_logprobs(tokenizer, lps: list[TokenLogprobs | int], offsets: TextOffsets | None = None) -> dict:
+    """A completion choice's `logprobs` for tokens `lps`, whose text starts where its `offsets` stand (which
+    this advances; None: at 0); an int in `lps` is a token with no log-probability (an echoed prompt's
+    first token)."""
     cache: dict[int, tuple[str, bytes, bool]] = {}
-    counter = text_offset if isinstance(text_offset, TextOffsets) else TextOffsets(text_offset)
+    counter = TextOffsets() if offsets is None else offsets
     tokens, offsets, values, top = [], [], [], []
     for lp in lps:
         token = _token(tokenizer, lp if isinstance(lp, int) else lp.token_id, cache)
